@@ -1,0 +1,72 @@
+"""The exceptions mlx-actors raises: one base class, each type refining the builtin it is."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "AgentClosedError",
+    "CacheReconstructionError",
+    "EngineError",
+    "InvalidRequestError",
+    "MlxActorsError",
+    "ModelNotFoundError",
+    "PoolExhaustedError",
+    "RuntimeClosedError",
+    "TurnTimeoutError",
+    "UnsupportedModelError",
+]
+
+
+class MlxActorsError(Exception):
+    """Base class of every error mlx-actors raises on purpose."""
+
+
+class InvalidRequestError(MlxActorsError, ValueError):
+    """A request was malformed: empty or non-string text, ``max_tokens <= 0``, a prompt
+    longer than the model's context or the whole block pool, a bad agent name..."""
+
+
+class PoolExhaustedError(MlxActorsError, MemoryError):
+    """The block pool has too few free blocks for a turn, and nothing could be evicted."""
+
+    def __init__(self, message: str, *, needed: int, free: int) -> None:
+        super().__init__(message)
+        #: How many blocks the request needed.
+        self.needed = needed
+        #: How many blocks were free when it asked.
+        self.free = free
+
+
+class ModelNotFoundError(MlxActorsError, FileNotFoundError):
+    """A model directory, GGUF file or model id could not be found or fetched."""
+
+
+class CacheReconstructionError(MlxActorsError, ValueError):
+    """Cache blocks do not fit the model's cache spec (wrong layer count, shapes or dtype),
+    or they were already returned to the pool."""
+
+
+class UnsupportedModelError(MlxActorsError, ValueError):
+    """The model makes a cache type the engine cannot keep exactly as blocks."""
+
+
+class EngineError(MlxActorsError, RuntimeError):
+    """The engine failed while running a turn; the turn was dropped and its blocks freed."""
+
+    def __init__(self, message: str, *, uids: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        #: The engine sequences the failure dropped.
+        self.uids = tuple(uids)
+
+
+class AgentClosedError(MlxActorsError, RuntimeError):
+    """The agent was closed (or never existed) when the request reached it."""
+
+
+class RuntimeClosedError(MlxActorsError, RuntimeError):
+    """The runtime shut down before the request could be answered."""
+
+
+class TurnTimeoutError(MlxActorsError, TimeoutError):
+    """A turn did not finish within its timeout; the agent was left as before the turn."""
