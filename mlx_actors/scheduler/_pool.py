@@ -1,0 +1,245 @@
+"""The block pool: a fixed budget of 256-token cache blocks, shared by reference count."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+
+import attrs
+import mlx.core as mx
+
+from ..errors import InvalidRequestError, PoolExhaustedError
+from ._spec import ModelCacheSpec
+
+
+@attrs.define(eq=False, repr=False)
+class KVBlock:
+    """Up to 256 consecutive tokens of one layer's keys and values.
+
+    Blocks are aligned on absolute positions: a block starting at ``start`` holds
+    positions ``[start, start + num_tokens)`` within ``[256 i, 256 i + 256)``. Only
+    the last block of a layer (and the first of a sliding-window layer) is partial.
+    The arrays are ``[1, kv_heads, num_tokens, head_dim]`` and own their memory.
+    """
+
+    #: Unique for the pool's lifetime; never reused.
+    id: int
+    #: Index of the layer whose cache this is.
+    layer: int
+    #: Absolute position of the first token held.
+    start: int
+    keys: mx.array | None
+    values: mx.array | None
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.id}, layer={self.layer}, tokens=[{self.start}, {self.end}))"
+
+
+@attrs.frozen(eq=False)
+class AgentBlocks:
+    """One agent's KV cache as blocks of the pool: the blocks of each layer in position
+    order, and the token ids the cache holds.
+
+    Immutable: every turn produces a new ``AgentBlocks``; the old one stays valid until
+    its blocks are freed, which is what lets a failed turn leave the agent as it was.
+    """
+
+    #: Per layer, its blocks in position order.
+    layers: tuple[tuple[KVBlock, ...], ...]
+    #: The token ids the cache holds, oldest first.
+    tokens: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_blocks(self) -> int:
+        """Block references held, summed over layers."""
+        return sum(len(blocks) for blocks in self.layers)
+
+    def blocks(self) -> Iterable[KVBlock]:
+        return itertools.chain.from_iterable(self.layers)
+
+    def common_prefix(self, tokens: Sequence[int]) -> int:
+        """Length of the longest common prefix of the cached tokens and ``tokens``."""
+        n = 0
+        for a, b in zip(self.tokens, tokens, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+
+@attrs.frozen(kw_only=True)
+class PoolStatistics:
+    """A snapshot of a :class:`BlockPool`."""
+
+    #: Blocks the pool may hold in all.
+    total_blocks: int
+    #: Distinct blocks held now (a block shared by several agents counts once).
+    used_blocks: int
+    #: Blocks promised to turns in flight, not yet filled.
+    reserved_blocks: int
+    #: Blocks neither used nor reserved.
+    free_blocks: int
+    #: The most blocks ever used plus reserved at once.
+    peak_blocks: int
+    #: Blocks referenced more than once.
+    shared_blocks: int
+    #: Bytes one block costs.
+    block_bytes: int
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.block_bytes
+
+
+class BlockPool:
+    """A fixed budget of cache blocks for one model.
+
+    Blocks are counted, not preallocated: each :class:`KVBlock` owns its arrays, and
+    the pool decides whether a block may exist. Reference counts let several
+    ``AgentBlocks`` share a block; it is released when the last reference is freed.
+    A turn reserves the blocks it may need before it runs (:meth:`reserve`), so it
+    can never run out half-way.
+
+    Not thread-safe: the engine thread is the only one that touches it.
+    """
+
+    def __init__(self, spec: ModelCacheSpec, *, total_blocks: int) -> None:
+        if not isinstance(total_blocks, int) or total_blocks <= 0:
+            raise InvalidRequestError(f"total_blocks must be a positive int, got {total_blocks!r}")
+        self.spec = spec
+        self.total_blocks = total_blocks
+        self._refs: dict[int, int] = {}
+        self._live: dict[int, KVBlock] = {}
+        self._reserved = 0
+        self._peak = 0
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_bytes(cls, spec: ModelCacheSpec, budget_bytes: int) -> BlockPool:
+        """A pool holding as many blocks as fit in ``budget_bytes``."""
+        total = int(budget_bytes) // spec.block_bytes
+        if total <= 0:
+            raise InvalidRequestError(
+                f"a pool of {budget_bytes} bytes holds no block: one block of this model "
+                f"costs {spec.block_bytes} bytes"
+            )
+        return cls(spec, total_blocks=total)
+
+    @property
+    def used_blocks(self) -> int:
+        return len(self._refs)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.total_blocks - len(self._refs) - self._reserved
+
+    def statistics(self) -> PoolStatistics:
+        return PoolStatistics(
+            total_blocks=self.total_blocks,
+            used_blocks=self.used_blocks,
+            reserved_blocks=self._reserved,
+            free_blocks=self.free_blocks,
+            peak_blocks=self._peak,
+            shared_blocks=sum(1 for n in self._refs.values() if n > 1),
+            block_bytes=self.spec.block_bytes,
+        )
+
+    def reserve(self, n: int) -> Reservation:
+        """Set ``n`` blocks aside for one turn.
+
+        Raises:
+            PoolExhaustedError: if fewer than ``n`` blocks are free.
+        """
+        if n < 0:
+            raise InvalidRequestError(f"cannot reserve {n} blocks")
+        free = self.free_blocks
+        if n > free:
+            raise PoolExhaustedError(
+                f"the block pool needs {n} free blocks but has {free} "
+                f"({self.used_blocks} used, {self._reserved} reserved, of "
+                f"{self.total_blocks}); free agents' caches, close agents, or give the "
+                "runtime a larger pool",
+                needed=n,
+                free=free,
+            )
+        self._reserved += n
+        self._note_peak()
+        return Reservation(self, n)
+
+    def allocate(self, layer: int, start: int, keys: mx.array, values: mx.array) -> KVBlock:
+        """Make one block outside any reservation (raises :class:`PoolExhaustedError`)."""
+        reservation = self.reserve(1)
+        return reservation.allocate(layer, start, keys, values)
+
+    def share(self, block: KVBlock) -> KVBlock:
+        """Take one more reference to a live block."""
+        self._check_live(block)
+        self._refs[block.id] += 1
+        return block
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference to each block; a block with none left is released."""
+        for block in blocks:
+            self._check_live(block)
+            left = self._refs[block.id] - 1
+            if left:
+                self._refs[block.id] = left
+            else:
+                del self._refs[block.id]
+                del self._live[block.id]
+                block.keys = block.values = None
+
+    def owns(self, block: KVBlock) -> bool:
+        """Whether ``block`` is a live block of this pool."""
+        return self._live.get(block.id) is block
+
+    def references(self, block: KVBlock) -> int:
+        return self._refs.get(block.id, 0) if self.owns(block) else 0
+
+    def _check_live(self, block: KVBlock) -> None:
+        if not self.owns(block):
+            raise InvalidRequestError(f"{block!r} is not a live block of this pool")
+
+    def _note_peak(self) -> None:
+        self._peak = max(self._peak, len(self._refs) + self._reserved)
+
+    def _take_reserved(self, layer: int, start: int, keys: mx.array, values: mx.array) -> KVBlock:
+        block = KVBlock(next(self._ids), layer, start, keys, values)
+        self._reserved -= 1
+        self._refs[block.id] = 1
+        self._live[block.id] = block
+        return block
+
+
+class Reservation:
+    """Blocks set aside for one turn; :meth:`release` returns what was not used."""
+
+    def __init__(self, pool: BlockPool, count: int) -> None:
+        self._pool = pool
+        self.remaining = count
+
+    def allocate(self, layer: int, start: int, keys: mx.array, values: mx.array) -> KVBlock:
+        if self.remaining <= 0:
+            raise PoolExhaustedError(
+                "a turn needed more blocks than it reserved; this is a bug in mlx-actors",
+                needed=1,
+                free=0,
+            )
+        self.remaining -= 1
+        return self._pool._take_reserved(layer, start, keys, values)
+
+    def release(self) -> None:
+        self._pool._reserved -= self.remaining
+        self.remaining = 0

@@ -1,0 +1,164 @@
+"""What one model's KV cache looks like, layer by layer, and what a block of it costs."""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from mlx.nn.layers.base import Module
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from ..errors import UnsupportedModelError
+
+#: Tokens per block: the growth step of mlx-lm's ``KVCache``.
+BLOCK_SIZE = 256
+
+
+class LayerKind(enum.Enum):
+    """How a layer's cache grows with the history."""
+
+    #: Full attention: the cache holds every token.
+    GLOBAL = "global"
+    #: Sliding-window attention: the cache holds the last ``window`` tokens.
+    SLIDING = "sliding"
+
+
+@attrs.frozen(kw_only=True)
+class LayerSpec:
+    """The cache of one layer."""
+
+    #: Global or sliding-window.
+    kind: LayerKind
+    #: Tokens a sliding-window layer keeps (``None`` for global layers).
+    window: int | None
+    #: Key/value heads.
+    kv_heads: int
+    #: Size of one key head.
+    key_dim: int
+    #: Size of one value head.
+    value_dim: int
+    #: Element type of keys and values.
+    dtype: mx.Dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one full block (keys and values) of this layer."""
+        per_token = self.kv_heads * (self.key_dim + self.value_dim) * self.dtype.size
+        return per_token * BLOCK_SIZE
+
+
+@attrs.frozen(kw_only=True)
+class ModelCacheSpec:
+    """The shape of a model's KV cache, read off the loaded model.
+
+    Use :meth:`from_model`; it refuses models whose cache the engine cannot keep
+    exactly as blocks.
+    """
+
+    #: One entry per layer, in model order.
+    layers: tuple[LayerSpec, ...]
+    #: The longest sequence the model was trained for (``None`` if it does not say).
+    context_length: int | None = None
+    #: Tokens per block.
+    block_size: int = BLOCK_SIZE
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block costs in the pool: the largest block of any layer."""
+        return max(layer.block_bytes for layer in self.layers)
+
+    @property
+    def sliding_layers(self) -> int:
+        return sum(layer.kind is LayerKind.SLIDING for layer in self.layers)
+
+    def blocks_held(self, tokens: int) -> int:
+        """Blocks, summed over layers, that a cache of ``tokens`` tokens holds at most."""
+        return sum(blocks_for_layer(layer, tokens) for layer in self.layers)
+
+    @classmethod
+    def from_model(cls, model: Module) -> ModelCacheSpec:
+        """Read the cache spec of ``model`` by running one token through a fresh cache.
+
+        Raises:
+            UnsupportedModelError: if a layer's cache is neither mlx-lm's ``KVCache``
+                nor a plain ``RotatingKVCache`` (recurrent ``ArraysCache`` layers of
+                hybrid models, chunked or quantized caches...).
+        """
+        cache = make_prompt_cache(model)
+        for i, c in enumerate(cache):
+            _check_cache_type(i, c)
+        model(mx.array([[0]], dtype=mx.uint32), cache=cache)
+        mx.eval([c.state for c in cache])
+        layers = []
+        for c in cache:
+            keys, values = c.keys, c.values
+            sliding = type(c) is RotatingKVCache
+            layers.append(
+                LayerSpec(
+                    kind=LayerKind.SLIDING if sliding else LayerKind.GLOBAL,
+                    window=int(c.max_size) if sliding else None,
+                    kv_heads=int(keys.shape[1]),
+                    key_dim=int(keys.shape[3]),
+                    value_dim=int(values.shape[3]),
+                    dtype=keys.dtype,
+                )
+            )
+        return cls(layers=tuple(layers), context_length=_context_length(model))
+
+
+def blocks_for_layer(layer: LayerSpec, tokens: int) -> int:
+    """Blocks one layer holds for a history of ``tokens`` tokens.
+
+    Blocks are aligned on absolute positions (block ``i`` holds positions
+    ``[256 i, 256 i + 256)``). A sliding layer keeps every block that overlaps
+    its window, so at most ``ceil(window / 256) + 1`` of them.
+    """
+    if tokens <= 0:
+        return 0
+    last = (tokens - 1) // BLOCK_SIZE
+    if layer.kind is LayerKind.GLOBAL or layer.window is None:
+        return last + 1
+    first = max(0, tokens - layer.window) // BLOCK_SIZE
+    return last - first + 1
+
+
+def max_blocks_for_layer(layer: LayerSpec, tokens: int) -> int:
+    """An upper bound of :func:`blocks_for_layer` over all histories up to ``tokens``."""
+    if layer.kind is LayerKind.GLOBAL or layer.window is None:
+        return math.ceil(tokens / BLOCK_SIZE)
+    return min(math.ceil(tokens / BLOCK_SIZE), math.ceil(layer.window / BLOCK_SIZE) + 1)
+
+
+def _check_cache_type(index: int, cache: Any) -> None:
+    kind = type(cache)
+    if kind is KVCache:
+        return
+    if kind is RotatingKVCache:
+        if cache.keep != 0:
+            raise UnsupportedModelError(
+                f"layer {index} uses a RotatingKVCache that pins its first {cache.keep} "
+                "tokens; mlx-lm's batched cache cannot keep them, so the engine refuses "
+                "this model rather than answer wrongly"
+            )
+        return
+    raise UnsupportedModelError(
+        f"layer {index} uses {kind.__name__}, which the block engine cannot keep "
+        "exactly (it handles KVCache and sliding-window RotatingKVCache layers); "
+        "use a model whose layers are all attention layers"
+    )
+
+
+def _context_length(model: Module) -> int | None:
+    args = getattr(model, "args", None)
+    for name in ("max_position_embeddings", "max_seq_len", "seq_length", "n_ctx"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
