@@ -1,0 +1,62 @@
+"""Text of one generating sequence: streamed in whole characters, cut at stop strings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TextStream:
+    """Feeds a sequence's tokens to a streaming detokenizer and hands out the text that
+    is safe to show: never half a character, never the start of a possible stop string.
+    The pieces handed out add up to :attr:`text` once :meth:`finish` has run."""
+
+    def __init__(self, detokenizer: Any, stops: tuple[str, ...]) -> None:
+        self._detokenizer = detokenizer
+        self._stops = stops
+        self._emitted = 0
+        self._end: int | None = None
+        #: The final text, set by :meth:`finish`.
+        self.text = ""
+
+    def add(self, token: int, *, eos: bool) -> tuple[str, bool]:
+        """Take one token (an end-of-sequence token adds no text).
+
+        Returns the newly printable text and whether a stop string was completed.
+        """
+        if self._end is not None:
+            return "", True
+        if not eos:
+            self._detokenizer.add_token(token)
+        return self._advance(str(self._detokenizer.text), final=False)
+
+    def finish(self) -> str:
+        """Flush what was held back; returns the last piece and sets :attr:`text`."""
+        if self._end is None:
+            self._detokenizer.finalize()
+            piece, _ = self._advance(str(self._detokenizer.text), final=True)
+            self.text = str(self._detokenizer.text)[: self._emitted]
+            return piece
+        return ""
+
+    def _advance(self, text: str, *, final: bool) -> tuple[str, bool]:
+        start = self._emitted
+        hits = [i for i in (text.find(s, start) for s in self._stops) if i >= 0]
+        if hits:
+            end = min(hits)
+            self._end = self._emitted = end
+            self.text = text[:end]
+            return text[start:end], True
+        safe = len(text) if final else len(text) - self._held_back(text)
+        safe = max(safe, start)
+        self._emitted = safe
+        return text[start:safe], False
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that begins some stop string."""
+        longest = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(text) - self._emitted), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest

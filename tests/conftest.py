@@ -1,0 +1,117 @@
+"""Fixtures: a tiny random llama written as an mlx-lm model directory and loaded by
+``mlx_lm.load``, and the mlx-lm reference generation every test compares against."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine, ModelCacheSpec
+from mlx_actors.testing import tiny_config, write_random_model
+
+#: Sharpens the random model so that its greedy output depends on every cached token.
+INIT_SCALE = 4.0
+
+
+@attrs.frozen
+class Loaded:
+    path: Path
+    model: Any
+    tokenizer: Any
+    spec: ModelCacheSpec
+
+
+def load(path: Path) -> Loaded:
+    model, tokenizer = mlx_lm.load(str(path))
+    return Loaded(path, model, tokenizer, ModelCacheSpec.from_model(model))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_model(
+        tmp_path_factory.mktemp("models") / "tiny-llama",
+        tiny_config(num_hidden_layers=3),
+        seed=7,
+        init_scale=INIT_SCALE,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir: Path) -> Loaded:
+    return load(tiny_dir)
+
+
+@pytest.fixture
+def pool(tiny: Loaded) -> BlockPool:
+    return BlockPool(tiny.spec, total_blocks=400)
+
+
+@pytest.fixture
+def engine(tiny: Loaded, pool: BlockPool) -> Iterable[BlockPoolBatchEngine]:
+    engine = BlockPoolBatchEngine(tiny.model, tiny.tokenizer, pool, max_batch_size=8)
+    yield engine
+    engine.close()
+
+
+def reference(
+    model: Any,
+    prompt: Sequence[int],
+    max_tokens: int,
+    cache: list[Any] | None = None,
+    stop: Iterable[int] = (),
+) -> list[int]:
+    """mlx-lm's own greedy generation: ``generate_step`` through ``cache`` (updated in
+    place, as ``mlx_lm.chat`` keeps it), stopping after a token in ``stop``."""
+    stop = set(stop)
+    out: list[int] = []
+    for token, _ in generate_step(
+        mx.array(list(prompt)), model, max_tokens=max_tokens, prompt_cache=cache
+    ):
+        out.append(int(token))
+        if token in stop:
+            break
+    return out
+
+
+class ReferenceChat:
+    """A conversation fed to mlx-lm through one persistent prompt cache: each turn feeds
+    only the tokens the cache lacks, trimming it when the rendering diverges."""
+
+    def __init__(self, model: Any, stop: Iterable[int] = ()) -> None:
+        self.model = model
+        self.cache = make_prompt_cache(model)
+        self.tokens: list[int] = []
+        self.stop = set(stop)
+
+    def turn(self, full_prompt: Sequence[int], max_tokens: int) -> list[int]:
+        common = 0
+        for a, b in zip(self.tokens, full_prompt):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(full_prompt) - 1)
+        if common < len(self.tokens):
+            for c in self.cache:
+                c.trim(len(self.tokens) - common)
+        out = reference(self.model, full_prompt[common:], max_tokens, self.cache, self.stop)
+        self.tokens = [*full_prompt, *out]
+        return out
+
+
+def run_to_completion(engine: BlockPoolBatchEngine, limit: int = 10_000) -> dict[int, Any]:
+    """Step until nothing is in flight; the finished generations by uid."""
+    done: dict[int, Any] = {}
+    for _ in range(limit):
+        if not engine.active:
+            return done
+        for result in engine.step():
+            done[result.uid] = result
+    raise AssertionError("the engine did not finish")
