@@ -98,28 +98,32 @@ def max_trim(spec: ModelCacheSpec, blocks: AgentBlocks) -> int:
 def to_cache(spec: ModelCacheSpec, blocks: AgentBlocks, keep: int) -> list[Any]:
     """An mlx-lm per-layer cache holding the first ``keep`` tokens of ``blocks``.
 
-    The concatenations are lazy: MLX runs them when the batch is built.
+    Only the tokens a layer needs are copied (a sliding layer needs its last
+    ``window``). The copies are lazy: MLX runs them when the batch is built.
     """
     caches: list[Any] = []
     for layer, layer_blocks in zip(spec.layers, blocks.layers, strict=True):
-        start = layer_blocks[0].start
         lo = 0 if layer.window is None else max(0, keep - layer.window)
-        keys = _concat([b.keys for b in layer_blocks])[..., lo - start : keep - start, :]
-        values = _concat([b.values for b in layer_blocks])[..., lo - start : keep - start, :]
+        keys = _gather([(b, b.keys) for b in layer_blocks], lo, keep)
+        values = _gather([(b, b.values) for b in layer_blocks], lo, keep)
         if layer.kind is LayerKind.GLOBAL:
             cache: Any = KVCache()
-            cache.keys, cache.values, cache.offset = keys, values, keep
         else:
             cache = RotatingKVCache(max_size=layer.window, keep=0)
-            cache.keys, cache.values, cache.offset = keys, values, keep
             cache._idx = keep - lo
+        cache.keys, cache.values, cache.offset = keys, values, keep
         caches.append(cache)
     return caches
 
 
-def _concat(arrays: Sequence[mx.array | None]) -> mx.array:
-    parts = [a for a in arrays if a is not None]
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+def _gather(parts: Sequence[tuple[KVBlock, mx.array | None]], lo: int, hi: int) -> mx.array:
+    """Positions ``[lo, hi)`` of a layer, from its blocks' arrays."""
+    pieces = [
+        a[..., max(lo, b.start) - b.start : min(hi, b.end) - b.start, :]
+        for b, a in parts
+        if a is not None and b.start < hi and b.end > lo
+    ]
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
 
 
 def blocks_needed(spec: ModelCacheSpec, final_tokens: int, shared_tokens: int) -> int:

@@ -1,0 +1,126 @@
+"""EXP-006: time blocks -> mlx-lm cache, against a plain copy of the same bytes.
+
+The spec is Gemma 3 12B's cache: 48 layers (8 global, 40 sliding-window layers of 1024
+tokens), 8 KV heads of size 256, bfloat16. For each history length the script builds
+one agent's blocks, rebuilds its cache from them (what the engine does once per turn,
+at insert) and forces the copy with ``mx.eval``; then it copies an array of the same
+bytes on the same device. It prints JSON: p50/p95/p99 in milliseconds and GB/s for
+both, and the fraction of copy bandwidth the gather reaches.
+
+    python benchmarks/gather.py [--sizes 2048 4096 8192] [--iters 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import mlx.core as mx
+
+from mlx_actors.scheduler import AgentBlocks, BlockPool, LayerKind, LayerSpec, ModelCacheSpec
+from mlx_actors.scheduler._blocks import to_cache
+from mlx_actors.scheduler._spec import BLOCK_SIZE, blocks_for_layer
+
+GEMMA3_12B = ModelCacheSpec(
+    layers=tuple(
+        LayerSpec(
+            kind=LayerKind.GLOBAL if i % 6 == 5 else LayerKind.SLIDING,
+            window=None if i % 6 == 5 else 1024,
+            kv_heads=8,
+            key_dim=256,
+            value_dim=256,
+            dtype=mx.bfloat16,
+        )
+        for i in range(48)
+    ),
+    context_length=131072,
+)
+
+
+def make_blocks(pool: BlockPool, tokens: int) -> AgentBlocks:
+    layers = []
+    for index, layer in enumerate(pool.spec.layers):
+        count = blocks_for_layer(layer, tokens)
+        first = (tokens - 1) // BLOCK_SIZE - count + 1
+        blocks = []
+        for b in range(first, first + count):
+            start, end = b * BLOCK_SIZE, min((b + 1) * BLOCK_SIZE, tokens)
+            shape = (1, layer.kv_heads, end - start, layer.key_dim)
+            k = mx.random.normal(shape).astype(layer.dtype)
+            v = mx.random.normal(shape).astype(layer.dtype)
+            blocks.append(pool.allocate(index, start, k, v))
+        mx.eval([(b.keys, b.values) for b in blocks])
+        layers.append(tuple(blocks))
+    return AgentBlocks(tuple(layers), tuple(range(tokens)))
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(samples, n=100, method="inclusive")
+    return {"p50_ms": q[49] * 1e3, "p95_ms": q[94] * 1e3, "p99_ms": q[98] * 1e3}
+
+
+def timed(fn, iters: int, warmup: int = 3) -> list[float]:  # type: ignore[no-untyped-def]
+    for _ in range(warmup):
+        mx.eval(fn())
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        mx.eval(fn())
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def run(tokens: int, iters: int) -> dict[str, object]:
+    pool = BlockPool(GEMMA3_12B, total_blocks=1 << 20)
+    blocks = make_blocks(pool, tokens)
+
+    def gather() -> list[mx.array]:
+        cache = to_cache(GEMMA3_12B, blocks, tokens)
+        return [a for c in cache for a in (c.keys, c.values)]
+
+    out = gather()
+    nbytes = sum(a.nbytes for a in out)
+    # The same bytes as one array per layer, copied.
+    sources = [mx.zeros(a.shape, a.dtype) for a in out]
+    mx.eval(sources)
+    del out
+
+    def copy() -> list[mx.array]:
+        return [mx.array(s) for s in sources]
+
+    g = timed(gather, iters)
+    c = timed(copy, iters)
+    pool.free(blocks.blocks())
+    g_stats, c_stats = percentiles(g), percentiles(c)
+    g_gbs = nbytes / (g_stats["p50_ms"] / 1e3) / 1e9
+    c_gbs = nbytes / (c_stats["p50_ms"] / 1e3) / 1e9
+    return {
+        "tokens": tokens,
+        "bytes": nbytes,
+        "gather": {**g_stats, "gb_per_s": g_gbs},
+        "copy": {**c_stats, "gb_per_s": c_gbs},
+        "fraction_of_copy_bandwidth": g_gbs / c_gbs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    results = {
+        "benchmark": "gather",
+        "device": str(mx.default_device()),
+        "machine": platform.machine(),
+        "mlx": mx.__version__,
+        "spec": "Gemma 3 12B: 48 layers (8 global, 40 sliding 1024), 8 KV heads x 256, bf16",
+        "runs": [run(n, args.iters) for n in args.sizes],
+    }
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
