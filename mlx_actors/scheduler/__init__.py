@@ -5,6 +5,9 @@ and ``BlockPoolBatchEngine`` runs every sequence through one mlx-lm ``BatchGener
 It knows nothing of chats, names or templates.
 """
 
+from ._actor import Scheduler as Scheduler
+from ._actor import SchedulerStatistics as SchedulerStatistics
+from ._actor import Turn as Turn
 from ._engine import BlockPoolBatchEngine as BlockPoolBatchEngine
 from ._engine import CompletedGeneration as CompletedGeneration
 from ._engine import EngineStatistics as EngineStatistics

@@ -99,6 +99,8 @@ class CompletedGeneration:
     #: The whole history's cache (earlier turns, prompt, reply). The caller owns it.
     blocks: AgentBlocks
     usage: Usage
+    #: When the sequence was submitted (``time.perf_counter()``).
+    submitted_at: float
     #: Seconds from submission to the first generated token.
     ttft_s: float
     #: Seconds from submission to the end.
@@ -436,6 +438,7 @@ class BlockPoolBatchEngine:
                 cached_tokens=len(seq.history),
                 generated_tokens=len(seq.generated),
             ),
+            submitted_at=seq.submitted,
             ttft_s=(seq.first_token or now) - seq.submitted,
             total_s=now - seq.submitted,
         )
