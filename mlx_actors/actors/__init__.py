@@ -1,0 +1,13 @@
+"""The actors: each agent is a task with a mailbox, its conversation and its cache blocks.
+
+Actors render conversations with the chat template and send the scheduler only the
+tokens their cache lacks; they never touch MLX arrays.
+"""
+
+from ._agent import Agent as Agent
+from ._agent import AgentStatistics as AgentStatistics
+from ._agent import TurnOptions as TurnOptions
+from ._agent import check_name as check_name
+from ._reply import Message as Message
+from ._reply import Reply as Reply
+from ._reply import TurnStream as TurnStream

@@ -1,0 +1,437 @@
+"""An agent: one task with a bounded mailbox, its conversation and its cache blocks."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import anyio
+import attrs
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ..errors import (
+    AgentClosedError,
+    InvalidRequestError,
+    MlxActorsError,
+    RuntimeClosedError,
+    TurnTimeoutError,
+)
+from ..scheduler import AgentBlocks, Sampling, Scheduler, Turn
+from ._reply import Message, Reply, TurnStream
+
+NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+
+
+def check_name(name: object) -> str:
+    """Agent names name files, so they are plain identifiers: a letter, then up to 63
+    letters, digits, ``_`` or ``-``."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise InvalidRequestError(
+            f"agent names must be a letter followed by up to 63 letters, digits, '_' or "
+            f"'-' (they name files); got {name!r}"
+        )
+    return name
+
+
+@attrs.frozen(kw_only=True)
+class TurnOptions:
+    """Generation settings of one turn (an agent's defaults, overridden per ask)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        n = self.max_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise InvalidRequestError(f"max_tokens must be an int > 0, got {n!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}")
+        Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+    def override(self, **changes: Any) -> TurnOptions:
+        changes = {k: v for k, v in changes.items() if v is not None}
+        if isinstance(changes.get("stop"), str):
+            changes["stop"] = (changes["stop"],)
+        elif "stop" in changes:
+            changes["stop"] = tuple(changes["stop"])
+        return attrs.evolve(self, **changes) if changes else self
+
+
+@attrs.frozen(kw_only=True)
+class AgentStatistics:
+    """A snapshot of one agent."""
+
+    #: Requests waiting in the mailbox (the running turn not included).
+    queued: int
+    #: Tasks waiting to put a request into a full mailbox.
+    senders_waiting: int
+    #: Turns answered so far.
+    turns: int
+    #: Conversation tokens held in the agent's KV cache.
+    cached_tokens: int
+    #: Cache blocks the agent holds (one block is 256 tokens of one layer).
+    cached_blocks: int
+
+
+@attrs.define(eq=False)
+class Envelope:
+    """A request in an agent's mailbox, and the caller's handle on its outcome."""
+
+    agent: Agent
+    kind: Literal["ask", "reset"]
+    text: str = ""
+    options: TurnOptions | None = None
+    timeout: float | None = None
+    pieces: MemoryObjectReceiveStream[str] | None = None
+    push: MemoryObjectSendStream[str] | None = None
+    done: anyio.Event = attrs.field(factory=anyio.Event)
+    reply: Reply | None = None
+    error: BaseException | None = None
+    completed: bool = False
+    sent: bool = False
+    in_mailbox: bool = False
+    cancelled: bool = False
+    scope: anyio.CancelScope | None = None
+    deadline: float = math.inf
+
+    def deadline_in(self) -> float | None:
+        """Seconds left before the turn's timeout (``None``: no timeout)."""
+        if self.deadline == math.inf:
+            return None
+        return max(0.0, self.deadline - anyio.current_time())
+
+    def timeout_error(self) -> TurnTimeoutError:
+        return TurnTimeoutError(
+            f"agent {self.agent.name!r} did not answer within {self.timeout} s; the turn "
+            "was cancelled and the agent left as it was before it"
+        )
+
+    async def send(self) -> None:
+        """Put the envelope in the mailbox (waits while the mailbox is full)."""
+        self.sent = True
+        if self.timeout is not None:
+            self.deadline = anyio.current_time() + self.timeout
+        try:
+            with anyio.fail_after(self.deadline_in()):
+                await self.agent._mailbox.send(self)
+            self.in_mailbox = True
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            raise self.agent._closed_error() from None
+        except BaseException as exc:
+            await self.abandon()
+            if isinstance(exc, TimeoutError):
+                raise self.timeout_error() from None
+            raise
+
+    async def outcome(self) -> Reply | None:
+        """Wait for the request and return its reply (``None`` for a reset), or raise
+        its error."""
+        try:
+            with anyio.fail_after(self.deadline_in()):
+                await self.done.wait()
+        except BaseException as exc:
+            await self.abandon()
+            if isinstance(exc, TimeoutError):
+                raise self.timeout_error() from None
+            raise
+        if self.error is not None:
+            raise self.error
+        return self.reply
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.scope is not None:
+            self.scope.cancel()  # running: the agent rolls back, then finishes it
+        else:
+            if self.in_mailbox:  # still queued: the agent will skip it
+                self.agent._abandoned += 1
+            self.finish()
+
+    async def abandon(self) -> None:
+        """Cancel the turn and wait until the agent is back as it was before it."""
+        if not self.done.is_set():
+            self.cancel()
+            with anyio.CancelScope(shield=True):
+                await self.done.wait()
+
+    def finish(self) -> None:
+        if self.push is not None:
+            self.push.close()
+        self.done.set()
+
+
+class Agent:
+    """A long-lived agent: one task with a bounded mailbox, its conversation, and its KV
+    cache as blocks of the runtime's pool.
+
+    Made by :meth:`Runtime.spawn`, not directly. Turns are handled one at a time, in
+    the order they arrive; a full mailbox makes senders wait. Each turn sends the
+    scheduler only the tokens its cache lacks.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        scheduler: Scheduler,
+        *,
+        system: str | None,
+        options: TurnOptions,
+        mailbox_size: int,
+        log: Any,
+        on_stopped: Callable[[Agent], None],
+    ) -> None:
+        self.name = name
+        self.system = system
+        self.options = options
+        self._scheduler = scheduler
+        self._tokenizer = scheduler.tokenizer
+        self._log = log
+        self._on_stopped = on_stopped
+        self._mailbox, self._inbox = anyio.create_memory_object_stream[Envelope](mailbox_size)
+        self._messages: list[Message] = []
+        self._blocks: AgentBlocks | None = None
+        self._turns = 0
+        self._abandoned = 0  # cancelled requests still in the mailbox
+        self._scope = anyio.CancelScope()
+        self._stopped = anyio.Event()
+        self._closing: MlxActorsError | None = None
+
+    def __repr__(self) -> str:
+        return f"<Agent {self.name!r}, {len(self._messages)} messages>"
+
+    # -- the public face --------------------------------------------------------------------
+
+    @property
+    def history(self) -> tuple[Message, ...]:
+        """The conversation: the system prompt (if any), then user and assistant turns."""
+        system = (Message(role="system", content=self.system),) if self.system else ()
+        return (*system, *self._messages)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens of the conversation held in the agent's KV cache."""
+        return 0 if self._blocks is None else self._blocks.num_tokens
+
+    @property
+    def closed(self) -> bool:
+        return self._closing is not None
+
+    def statistics(self) -> AgentStatistics:
+        mailbox = self._mailbox.statistics()
+        return AgentStatistics(
+            queued=mailbox.current_buffer_used - self._abandoned,
+            senders_waiting=mailbox.tasks_waiting_send,
+            turns=self._turns,
+            cached_tokens=self.cached_tokens,
+            cached_blocks=0 if self._blocks is None else self._blocks.num_blocks,
+        )
+
+    async def ask(
+        self,
+        text: str,
+        *,
+        max_tokens: int | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (also cancels the turn; see below)
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> Reply:
+        """Send ``text`` as the next user message and wait for the reply.
+
+        Keyword arguments override the agent's defaults for this turn. ``timeout``
+        (seconds) covers waiting in the mailbox too; on timeout the turn is cancelled,
+        the agent is left as before it, and :class:`TurnTimeoutError` is raised.
+        Cancelling the caller cancels the turn the same way.
+
+        Raises:
+            InvalidRequestError: empty or non-string text, bad settings.
+            AgentClosedError: the agent was closed.
+            RuntimeClosedError: the runtime shut down first.
+            PoolExhaustedError: the pool had no room for the turn.
+        """
+        envelope = self._envelope(text, max_tokens, timeout, temperature, top_p, seed, stop)
+        await envelope.send()
+        reply = await envelope.outcome()
+        assert reply is not None
+        return reply
+
+    def stream(
+        self,
+        text: str,
+        *,
+        max_tokens: int | None = None,
+        timeout: float | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> TurnStream:
+        """Like :meth:`ask`, but gives the reply's text as it is generated::
+
+        async with agent.stream("Hello") as pieces:
+            async for piece in pieces:
+                print(piece, end="")
+        reply = pieces.reply
+        """
+        envelope = self._envelope(text, max_tokens, timeout, temperature, top_p, seed, stop)
+        envelope.push, envelope.pieces = anyio.create_memory_object_stream[str](math.inf)
+        return TurnStream(envelope)
+
+    async def reset(self) -> None:
+        """Forget the conversation (the system prompt stays) and free the cache, after
+        the turns already in the mailbox."""
+        envelope = Envelope(agent=self, kind="reset")
+        await envelope.send()
+        await envelope.outcome()
+
+    async def close(self) -> None:
+        """Stop the agent: the running turn is cancelled, queued ones fail with
+        :class:`AgentClosedError`, and its cache blocks go back to the pool."""
+        await self._stop(AgentClosedError(f"agent {self.name!r} is closed"))
+
+    # -- inside the agent -----------------------------------------------------------------
+
+    def _envelope(
+        self,
+        text: object,
+        max_tokens: int | None,
+        timeout: float | None,
+        temperature: float | None,
+        top_p: float | None,
+        seed: int | None,
+        stop: str | Sequence[str] | None,
+    ) -> Envelope:
+        if self._closing is not None:
+            raise self._closed_error()
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidRequestError(f"text must be a non-empty string, got {text!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        ):
+            raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        options = self.options.override(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop
+        )
+        return Envelope(agent=self, kind="ask", text=text, options=options, timeout=timeout)
+
+    def _closed_error(self) -> MlxActorsError:
+        return self._closing or AgentClosedError(f"agent {self.name!r} is closed")
+
+    async def _stop(self, error: MlxActorsError) -> None:
+        if self._closing is None:
+            self._closing = error
+            self._mailbox.close()
+            self._scope.cancel()
+        with anyio.CancelScope(shield=True):
+            await self._stopped.wait()
+
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The agent's task: take envelopes from the mailbox, one at a time."""
+        try:
+            with self._scope:
+                task_status.started()
+                async for envelope in self._inbox:
+                    envelope.in_mailbox = False
+                    if envelope.cancelled:
+                        self._abandoned -= 1
+                    else:
+                        await self._handle(envelope)
+        finally:
+            self._closing = self._closing or RuntimeClosedError("the runtime shut down")
+            self._mailbox.close()
+            # Answer what is still queued, then close: blocked senders get the error too.
+            while True:
+                try:
+                    envelope = self._inbox.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+                envelope.error = self._closing
+                envelope.finish()
+            self._inbox.close()
+            self._scheduler.release(self._blocks)
+            self._blocks = None
+            self._stopped.set()
+            self._on_stopped(self)
+
+    async def _handle(self, envelope: Envelope) -> None:
+        try:
+            with anyio.CancelScope() as envelope.scope:
+                try:
+                    if envelope.kind == "reset":
+                        self._scheduler.release(self._blocks)
+                        self._blocks, self._messages = None, []
+                    else:
+                        await self._turn(envelope)
+                    envelope.completed = True
+                except Exception as exc:
+                    envelope.error = exc
+        finally:
+            if not envelope.completed and envelope.error is None:
+                envelope.error = self._closing or MlxActorsError("the turn was cancelled")
+            envelope.finish()
+
+    async def _turn(self, envelope: Envelope) -> None:
+        assert envelope.options is not None
+        started = time.perf_counter()
+        options = envelope.options
+        messages = [*self._messages, Message(role="user", content=envelope.text)]
+        tokens = self._render(messages)
+        blocks = self._blocks
+        common = 0
+        if blocks is not None:
+            # The cache must keep at least one token to feed: never match it all.
+            common = min(blocks.common_prefix(tokens), len(tokens) - 1)
+        seed = options.seed
+        if seed is not None and self.options.seed == seed:
+            seed += self._turns  # an agent's seed gives each of its turns its own stream
+        turn = Turn(
+            agent=self.name,
+            prompt=tokens[common:],
+            cache=blocks,
+            trim=(blocks.num_tokens - common) if blocks is not None else 0,
+            max_tokens=options.max_tokens,
+            sampling=Sampling(temperature=options.temperature, top_p=options.top_p, seed=seed),
+            stop=options.stop,
+            on_text=_pusher(envelope.push) if envelope.push is not None else None,
+        )
+        result = await self._scheduler.run_turn(turn)
+        # Commit the reply and its cache together: nothing below awaits.
+        self._scheduler.release(self._blocks)
+        self._blocks = result.blocks
+        self._messages = [*messages, Message(role="assistant", content=result.text)]
+        self._turns += 1
+        envelope.reply = Reply(
+            text=result.text,
+            tokens=result.tokens,
+            finish_reason=result.finish_reason,
+            usage=result.usage,
+            ttft_s=result.submitted_at + result.ttft_s - started,
+            total_s=time.perf_counter() - started,
+        )
+
+    def _render(self, messages: list[Message]) -> list[int]:
+        system = [Message(role="system", content=self.system)] if self.system else []
+        conversation = [m.as_dict() for m in (*system, *messages)]
+        tokens = self._tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True
+        )
+        return [int(t) for t in tokens]
+
+
+def _pusher(push: MemoryObjectSendStream[str]) -> Callable[[str], None]:
+    """A text callback that never raises: a reader that went away just stops reading."""
+
+    def send(piece: str) -> None:
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            push.send_nowait(piece)
+
+    return send

@@ -1,0 +1,109 @@
+"""What a turn gives back: the reply, and the stream of its text."""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import TYPE_CHECKING, Literal
+
+import anyio
+import attrs
+
+from ..scheduler import Usage
+
+if TYPE_CHECKING:
+    from ._agent import Envelope
+
+FinishReason = Literal["stop", "length"]
+
+
+@attrs.frozen(kw_only=True)
+class Message:
+    """One entry of a conversation."""
+
+    #: ``"system"``, ``"user"`` or ``"assistant"``.
+    role: str
+    content: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+@attrs.frozen(kw_only=True)
+class Reply:
+    """An agent's answer to one turn. ``str(reply)`` is its text."""
+
+    #: The generated text (no end-of-turn token, no matched stop string).
+    text: str
+    #: The generated token ids.
+    tokens: tuple[int, ...]
+    #: ``"stop"`` (end of turn or a stop string) or ``"length"`` (``max_tokens`` reached).
+    finish_reason: FinishReason
+    #: Tokens prefilled, reused from the cache, and generated.
+    usage: Usage
+    #: Seconds from the agent taking up the turn to the first token.
+    ttft_s: float
+    #: Seconds from the agent taking up the turn to the reply.
+    total_s: float
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class TurnStream:
+    """The text of one turn as it is generated; see :meth:`Agent.stream`.
+
+    Iterate it with ``async for`` to get text pieces (never half a character); once
+    it is exhausted, :attr:`reply` holds the whole :class:`Reply`. The turn is sent to
+    the agent on entering ``async with`` (so several streams entered in a row arrive
+    in that order), or else when iteration starts. Leaving the ``async with`` block
+    before the end cancels the turn, and the agent is left as it was before it.
+    """
+
+    def __init__(self, envelope: Envelope) -> None:
+        self._envelope = envelope
+        self._pieces = envelope.pieces
+
+    @property
+    def reply(self) -> Reply:
+        """The turn's reply; raises ``RuntimeError`` before the stream is exhausted."""
+        if self._envelope.reply is None:
+            raise RuntimeError("the turn has not finished: read the stream to its end first")
+        return self._envelope.reply
+
+    def __aiter__(self) -> TurnStream:
+        return self
+
+    async def __anext__(self) -> str:
+        envelope = self._envelope
+        if not envelope.sent:
+            await envelope.send()
+        assert self._pieces is not None
+        try:
+            with anyio.fail_after(envelope.deadline_in()):
+                return await self._pieces.receive()
+        except anyio.EndOfStream:
+            await envelope.outcome()
+            raise StopAsyncIteration from None
+        except BaseException as exc:
+            await envelope.abandon()
+            if isinstance(exc, TimeoutError):
+                raise envelope.timeout_error() from None
+            raise
+
+    async def __aenter__(self) -> TurnStream:
+        if not self._envelope.sent:
+            await self._envelope.send()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Cancel the turn if it is still running."""
+        if self._envelope.sent and not self._envelope.done.is_set():
+            await self._envelope.abandon()
