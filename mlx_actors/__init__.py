@@ -2,10 +2,20 @@
 
 Agents are long-lived actors that keep their conversation and KV cache (as blocks of a
 shared pool); one scheduler batches every agent's turns through mlx-lm. The public API
-is what this module re-exports; the subpackages ``scheduler``, ``actors`` and
-``runtime`` are its three layers.
+is what this module re-exports; the subpackages are its three layers, from the bottom:
+``scheduler`` (token ids and cache blocks), ``actors`` (agents) and ``runtime`` (model
+loading, the ``Runtime``, tracing).
 """
 
 from . import errors as errors
+from .actors import Agent as Agent
+from .actors import AgentStatistics as AgentStatistics
+from .actors import Message as Message
+from .actors import Reply as Reply
+from .actors import TurnStream as TurnStream
+from .runtime import Runtime as Runtime
+from .runtime import RuntimeStatistics as RuntimeStatistics
+from .scheduler import PoolStatistics as PoolStatistics
+from .scheduler import Usage as Usage
 
 __version__ = "0.1.0"

@@ -10,10 +10,13 @@ __all__ = [
     "EngineError",
     "InvalidRequestError",
     "MlxActorsError",
+    "ModelCacheError",
+    "ModelIntegrityError",
     "ModelNotFoundError",
     "PoolExhaustedError",
     "RuntimeClosedError",
     "TurnTimeoutError",
+    "UnknownAgentError",
     "UnsupportedModelError",
 ]
 
@@ -42,13 +45,23 @@ class ModelNotFoundError(MlxActorsError, FileNotFoundError):
     """A model directory, GGUF file or model id could not be found or fetched."""
 
 
+class ModelIntegrityError(MlxActorsError, ValueError):
+    """A model file failed its checksum, or is corrupt or truncated."""
+
+
+class ModelCacheError(MlxActorsError, OSError):
+    """The model cache directory could not be created or written; point the
+    ``MLX_ACTORS_CACHE`` environment variable at a writable directory."""
+
+
 class CacheReconstructionError(MlxActorsError, ValueError):
     """Cache blocks do not fit the model's cache spec (wrong layer count, shapes or dtype),
     or they were already returned to the pool."""
 
 
 class UnsupportedModelError(MlxActorsError, ValueError):
-    """The model makes a cache type the engine cannot keep exactly as blocks."""
+    """The model makes a cache type the engine cannot keep exactly as blocks, or is a
+    GGUF file of an architecture or tokenizer the converter does not handle."""
 
 
 class EngineError(MlxActorsError, RuntimeError):
@@ -70,3 +83,10 @@ class RuntimeClosedError(MlxActorsError, RuntimeError):
 
 class TurnTimeoutError(MlxActorsError, TimeoutError):
     """A turn did not finish within its timeout; the agent was left as before the turn."""
+
+
+class UnknownAgentError(MlxActorsError, KeyError):
+    """No live agent has that name."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

