@@ -1,0 +1,60 @@
+"""Random-weight models of real shapes for the benchmarks (written once to a temp dir)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_actors.testing import tiny_config, write_random_model
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": tiny_config(
+        num_hidden_layers=4,
+        hidden_size=128,
+        intermediate_size=256,
+        head_dim=32,
+        max_position_embeddings=8192,
+    ),
+    "smollm2-135m": tiny_config(
+        hidden_size=576,
+        num_hidden_layers=30,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+    "llama-3.2-1b": tiny_config(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    ),
+}
+DTYPES = {"bf16": mx.bfloat16, "f16": mx.float16, "f32": mx.float32}
+
+
+def random_model(shape: str, dtype: str) -> Path:
+    """A model directory of ``shape`` with random ``dtype`` weights."""
+    path = Path(tempfile.mkdtemp(prefix=f"mlx-actors-{shape}-")) / "model"
+    return write_random_model(path, SHAPES[shape], seed=0, dtype=DTYPES[dtype])
+
+
+def device_name() -> str:
+    device = mx.default_device()
+    if device.type == mx.gpu:  # type: ignore[comparison-overlap]
+        info = mx.device_info() if hasattr(mx, "device_info") else {}
+        return str(info.get("device_name", "gpu"))
+    return "cpu"

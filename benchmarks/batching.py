@@ -1,0 +1,196 @@
+"""N agents each asking one turn at once: aggregate tokens/s through mlx-actors, through
+mlx-lm's raw ``BatchGenerator`` on the same prompts, and through sequential single-stream
+generation, all in one run. Prints JSON.
+
+    python benchmarks/batching.py --shape smollm2-135m --dtype bf16 --agents 1 4 8 16 32
+
+Each agent's prompt is its chat-templated system + user message, padded to
+``--prompt-tokens``; every mode decodes greedily up to ``--new-tokens`` tokens and
+stops at the end-of-turn token, so all three generate the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import mlx_lm
+from _models import SHAPES, device_name, random_model
+from mlx_lm.generate import BatchGenerator, generate_step
+
+from mlx_actors import Runtime
+
+
+def prompts_for(tokenizer: Any, n: int, length: int) -> list[tuple[str, str, list[int]]]:
+    """(system, user text, rendered tokens) per agent, ``length`` tokens each."""
+    rng = random.Random(n)
+    out = []
+    for i in range(n):
+        system = f"You are agent {i}."
+        base = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": ""}],
+            add_generation_prompt=True,
+        )
+        user = "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(length))
+        while True:  # trim the user text until the rendering fits the length
+            tokens = tokenizer.apply_chat_template(
+                [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                add_generation_prompt=True,
+            )
+            if len(tokens) <= length or len(user) <= 1:
+                break
+            user = user[: max(1, len(user) - (len(tokens) - length))]
+        assert len(base) < length
+        out.append((system, user, list(tokens)))
+    return out
+
+
+async def through_actors(
+    path: Path, jobs: list[tuple[str, str, list[int]]], new: int
+) -> dict[str, Any]:
+    async with Runtime(
+        path, max_batch_size=max(32, len(jobs)), pool_blocks=1 << 16, log_level="warning"
+    ) as rt:
+        agents = [
+            await rt.spawn(f"agent{i}", system=system, max_tokens=new)
+            for i, (system, _, _) in enumerate(jobs)
+        ]
+        replies: dict[int, Any] = {}
+
+        async def ask(i: int) -> None:
+            replies[i] = await agents[i].ask(jobs[i][1])
+
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for i in range(len(jobs)):
+                tg.start_soon(ask, i)
+        seconds = time.perf_counter() - start
+        for i, (_, _, tokens) in enumerate(jobs):  # the agents saw exactly these prompts
+            assert replies[i].usage.prompt_tokens == len(tokens)
+    generated = sum(r.usage.generated_tokens for r in replies.values())
+    return {
+        "seconds": seconds,
+        "tokens": generated,
+        "tok_per_s": generated / seconds,
+        "outputs": [list(replies[i].tokens) for i in range(len(jobs))],
+    }
+
+
+def through_batch_generator(
+    model: Any, tokenizer: Any, prompts: list[list[int]], new: int
+) -> dict[str, Any]:
+    gen = BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
+        completion_batch_size=max(32, len(prompts)),
+    )
+    start = time.perf_counter()
+    uids = gen.insert(prompts, max_tokens=[new] * len(prompts))
+    outputs: dict[int, list[int]] = {u: [] for u in uids}
+    live = set(uids)
+    while live:
+        _, responses = gen.next()
+        for r in responses:
+            outputs[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                live.discard(r.uid)
+    seconds = time.perf_counter() - start
+    gen.close()
+    generated = sum(len(v) for v in outputs.values())
+    return {
+        "seconds": seconds,
+        "tokens": generated,
+        "tok_per_s": generated / seconds,
+        "outputs": [outputs[u] for u in uids],
+    }
+
+
+def sequentially(model: Any, tokenizer: Any, prompts: list[list[int]], new: int) -> dict[str, Any]:
+    eos = tokenizer.eos_token_ids
+    start = time.perf_counter()
+    outputs = []
+    for prompt in prompts:
+        out = []
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=new):
+            out.append(int(token))
+            if token in eos:
+                break
+        outputs.append(out)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o) for o in outputs)
+    return {
+        "seconds": seconds,
+        "tokens": generated,
+        "tok_per_s": generated / seconds,
+        "outputs": outputs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--dtype", default="f32", choices=["bf16", "f16", "f32"])
+    parser.add_argument("--model", type=Path, help="a model directory instead of --shape")
+    parser.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--no-sequential", action="store_true", help="skip the slow baseline")
+    args = parser.parse_args()
+
+    path = args.model or random_model(args.shape, args.dtype)
+    model, tokenizer = mlx_lm.load(str(path))
+    warm = prompts_for(tokenizer, 2, args.prompt_tokens)
+    through_batch_generator(model, tokenizer, [t for _, _, t in warm], 8)  # compile kernels
+
+    runs = []
+    for n in args.agents:
+        jobs = prompts_for(tokenizer, n, args.prompt_tokens)
+        prompts = [t for _, _, t in jobs]
+        actors = anyio.run(through_actors, path, jobs, args.new_tokens)
+        raw = through_batch_generator(model, tokenizer, prompts, args.new_tokens)
+        seq = (
+            None if args.no_sequential else sequentially(model, tokenizer, prompts, args.new_tokens)
+        )
+        same = actors["outputs"] == raw["outputs"] and (
+            seq is None or seq["outputs"] == raw["outputs"]
+        )
+        run: dict[str, Any] = {"agents": n, "identical_outputs": same}
+        for name, result in (("mlx_actors", actors), ("batch_generator", raw), ("sequential", seq)):
+            if result is not None:
+                run[name] = {
+                    k: round(v, 4) if isinstance(v, float) else v
+                    for k, v in result.items()
+                    if k != "outputs"
+                }
+        run["actors_vs_batch_generator"] = round(actors["tok_per_s"] / raw["tok_per_s"], 3)
+        if seq is not None:
+            run["actors_vs_sequential"] = round(actors["tok_per_s"] / seq["tok_per_s"], 2)
+        runs.append(run)
+        print(json.dumps(run), flush=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "batching",
+                "shape": args.shape if args.model is None else str(args.model),
+                "dtype": args.dtype,
+                "device": device_name(),
+                "machine": platform.machine(),
+                "mlx": mx.__version__,
+                "prompt_tokens": args.prompt_tokens,
+                "new_tokens": args.new_tokens,
+                "runs": runs,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

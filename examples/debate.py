@@ -1,0 +1,42 @@
+"""Two agents argue in turns; each reply is streamed as it is generated.
+
+python examples/debate.py [MODEL]      # MODEL: a model directory, .gguf or id
+"""
+
+import sys
+
+import anyio
+
+from mlx_actors import Runtime
+
+MODEL = sys.argv[1] if len(sys.argv) > 1 else None  # None: the embedded default model
+
+
+async def main() -> None:
+    async with Runtime(MODEL, log_level="warning") as rt:
+        alice = await rt.spawn(
+            "alice", system="You are Alice, an optimist. Answer in two sentences.", max_tokens=96
+        )
+        bob = await rt.spawn(
+            "bob", system="You are Bob, a sceptic. Answer in two sentences.", max_tokens=96
+        )
+        line = "Should we build a city on Mars?"
+        print(f"moderator: {line}\n")
+        for _ in range(3):
+            for agent in (alice, bob):
+                print(f"{agent.name}: ", end="", flush=True)
+                async with agent.stream(line) as pieces:
+                    async for piece in pieces:
+                        print(piece, end="", flush=True)
+                print("\n")
+                line = pieces.reply.text
+        stats = await rt.stats()
+        print(
+            f"[{stats.turns} turns: {stats.prefill_tokens} tokens prefilled, "
+            f"{stats.cached_tokens} reused from the agents' caches, "
+            f"{stats.generated_tokens} generated]"
+        )
+
+
+if __name__ == "__main__":
+    anyio.run(main)  # or: anyio.run(main, backend="trio")
