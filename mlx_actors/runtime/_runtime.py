@@ -67,6 +67,9 @@ class Runtime:
         pool_blocks: the budget in blocks instead (one block is 256 tokens of one layer).
         prefill_step_size: most prompt tokens per turn run in one step, so a long
             prompt never stalls the turns already generating.
+        admission_window: seconds an idle engine waits for more turns after one arrives
+            (until none arrives for this long, at most ten times as long), so that
+            turns sent together start in one batch; 0 starts every turn at once.
         mailbox_size: how many requests an agent's mailbox holds before senders wait.
         trace: also write the trace to this file: ``*.jsonl`` (every event, JSON lines)
             or ``*.json`` (Chrome trace-event format, for ui.perfetto.dev).
@@ -84,6 +87,7 @@ class Runtime:
         pool_bytes: int | None = None,
         pool_blocks: int | None = None,
         prefill_step_size: int = 512,
+        admission_window: float = 0.002,
         mailbox_size: int = 16,
         trace: str | os.PathLike[str] | None = None,
         log_level: str = "info",
@@ -100,6 +104,14 @@ class Runtime:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"{name} must be a positive int, got {value!r}")
+        if (
+            isinstance(admission_window, bool)
+            or not isinstance(admission_window, (int, float))
+            or not 0 <= admission_window <= 1
+        ):
+            raise InvalidRequestError(
+                f"admission_window must be seconds in [0, 1], got {admission_window!r}"
+            )
         if pool_bytes is not None and pool_blocks is not None:
             raise InvalidRequestError("give pool_bytes or pool_blocks, not both")
         self._model = model
@@ -115,6 +127,7 @@ class Runtime:
             pool_bytes=pool_bytes,
             max_batch_size=max_batch_size,
             prefill_step_size=prefill_step_size,
+            admission_window=admission_window,
             log=self.log,
         )
         self._agents: dict[str, Agent] = {}
