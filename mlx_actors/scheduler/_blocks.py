@@ -150,7 +150,8 @@ def from_cache(
     Full blocks of global layers that lie within the first ``unchanged`` tokens are
     shared with ``previous`` instead of copied: only the tail is copied. Sliding
     layers keep the blocks that overlap their window. On error every block taken is
-    freed again.
+    freed again. The copies are lazy: evaluate the new blocks (:func:`evaluate`) before
+    the finished cache is dropped, so that they hold their own memory.
     """
     spec = pool.spec
     total = len(tokens)
@@ -197,9 +198,14 @@ def from_cache(
                 out.append(block)
                 start = end
             layers.append(tuple(out))
-        mx.eval([(b.keys, b.values) for b in made])
     except BaseException:
         pool.free(made)
         pool.free(taken)
         raise
     return AgentBlocks(tuple(layers), tuple(tokens))
+
+
+def evaluate(blocks: Sequence[AgentBlocks]) -> None:
+    """Run the copies of new blocks, of any number of sequences, in one evaluation."""
+    arrays = [a for b in blocks for block in b.blocks() for a in (block.keys, block.values)]
+    mx.eval([a for a in arrays if a is not None])

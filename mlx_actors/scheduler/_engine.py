@@ -15,7 +15,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_top_p
 
 from ..errors import EngineError, InvalidRequestError
-from ._blocks import blocks_needed, check_blocks, from_cache, max_trim, to_cache
+from ._blocks import blocks_needed, check_blocks, evaluate, from_cache, max_trim, to_cache
 from ._pool import AgentBlocks, BlockPool, Reservation
 from ._spec import ModelCacheSpec
 from ._text import TextStream
@@ -400,6 +400,8 @@ class BlockPoolBatchEngine:
         if stopped:
             caches = self._generator.remove([s.uid for s in stopped], return_prompt_caches=True)
             finished.extend(self._finish(s, caches[s.uid][0], "stop") for s in stopped)
+        if finished:  # one evaluation (one wait for the device) for every finished cache
+            evaluate([f.blocks for f in finished])
         self._steps += 1
         self._prefill_tokens += prefill
         self._generated_tokens += len(responses)
