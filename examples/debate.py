@@ -15,14 +15,12 @@ MODEL = sys.argv[1] if len(sys.argv) > 1 else None  # None: the embedded default
 async def main() -> None:
     async with Runtime(MODEL, log_level="warning") as rt:
         alice = await rt.spawn(
-            "alice", system="You are Alice, an optimist. Answer in two sentences.", max_tokens=96
+            "alice", system="You are Alice. You are optimistic about the future.", max_tokens=64
         )
-        bob = await rt.spawn(
-            "bob", system="You are Bob, a sceptic. Answer in two sentences.", max_tokens=96
-        )
+        bob = await rt.spawn("bob", system="You are Bob, a sceptic.", max_tokens=64)
         line = "Should we build a city on Mars?"
         print(f"moderator: {line}\n")
-        for _ in range(3):
+        for _ in range(2):
             for agent in (alice, bob):
                 print(f"{agent.name}: ", end="", flush=True)
                 async with agent.stream(line) as pieces:
