@@ -105,8 +105,12 @@ class ReferenceChat:
             common += 1
         common = min(common, len(full_prompt) - 1)
         if common < len(self.tokens):
-            for c in self.cache:
-                c.trim(len(self.tokens) - common)
+            if all(c.is_trimmable() for c in self.cache):
+                for c in self.cache:
+                    c.trim(len(self.tokens) - common)
+            else:  # a sliding window that has moved on cannot rewind: start over
+                self.cache = make_prompt_cache(self.model)
+                common = 0
         out = reference(self.model, full_prompt[common:], max_tokens, self.cache, self.stop)
         self.tokens = [*full_prompt, *out]
         return out

@@ -24,19 +24,22 @@ def test_spec_of_the_tiny_llama(tiny: Loaded) -> None:
     assert spec.blocks_held(1) == 3 and spec.blocks_held(257) == 6
 
 
+#: A tiny Mamba: every layer keeps a recurrent state (ArraysCache), not a KV cache.
+MAMBA = {
+    "model_type": "mamba",
+    "vocab_size": 259,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "state_size": 8,
+    "num_hidden_layers": 2,
+    "conv_kernel": 4,
+    "use_bias": False,
+    "use_conv_bias": True,
+    "time_step_rank": 4,
+}
+
+
 def test_a_recurrent_model_is_refused(tmp_path) -> None:
-    config = dict(
-        model_type="mamba",
-        vocab_size=259,
-        hidden_size=32,
-        intermediate_size=64,
-        state_size=8,
-        num_hidden_layers=2,
-        conv_kernel=4,
-        use_bias=False,
-        use_conv_bias=True,
-        time_step_rank=4,
-    )
-    model, _ = mlx_lm.load(str(write_random_model(tmp_path / "mamba", config)))
+    model, _ = mlx_lm.load(str(write_random_model(tmp_path / "mamba", MAMBA)))
     with pytest.raises(UnsupportedModelError, match="ArraysCache"):
         ModelCacheSpec.from_model(model)

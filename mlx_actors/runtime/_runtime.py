@@ -149,12 +149,12 @@ class Runtime:
         self._tg.start_soon(self._scheduler.serve)
         try:
             await self._scheduler.wait_started()
-        except BaseException as exc:
+        except BaseException:
             self._closed = True
             self._scheduler.shutdown()
             self._tg.cancel_scope.cancel()
-            try:
-                await self._tg.__aexit__(type(exc), exc, exc.__traceback__)
+            try:  # the start-up error propagates as it is, not inside an ExceptionGroup
+                await self._tg.__aexit__(None, None, None)
             finally:
                 self._trace.close()
             raise

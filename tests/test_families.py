@@ -1,0 +1,124 @@
+"""The model families of the original design, as tiny random configs with their real layer
+patterns: Llama, Qwen 2.5, Gemma 3 (five sliding-window layers to one global) and Qwen MoE.
+Replies through the actors equal mlx-lm's; sliding layers hold only their window."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mlx_lm
+import pytest
+
+from mlx_actors import Runtime
+from mlx_actors.errors import UnsupportedModelError
+from mlx_actors.scheduler import BLOCK_SIZE, BlockPool, BlockPoolBatchEngine, LayerKind
+from mlx_actors.testing import tiny_config, write_random_model
+
+from .conftest import Loaded, ReferenceChat, load, render, run_to_completion
+from .test_spec import MAMBA
+
+WINDOW = 40
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": tiny_config("llama", num_hidden_layers=3),
+    "qwen2": tiny_config("qwen2", num_hidden_layers=3, tie_word_embeddings=True),
+    "gemma3_text": tiny_config(
+        "gemma3_text",
+        num_hidden_layers=6,
+        sliding_window=WINDOW,
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=16,
+    ),
+    "qwen2_moe": tiny_config(
+        "qwen2_moe",
+        num_hidden_layers=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    ),
+}
+TURNS = ["Hello there, how are you today?", "Tell me about the sea.", "And the mountains?"]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Loaded:
+    path = tmp_path_factory.mktemp("families") / request.param
+    return load(write_random_model(path, FAMILIES[request.param], seed=11, init_scale=4.0))
+
+
+def test_the_cache_spec_follows_the_layer_pattern(family: Loaded) -> None:
+    kinds = [layer.kind for layer in family.spec.layers]
+    if family.model.model_type == "gemma3_text":
+        assert kinds == [LayerKind.SLIDING] * 5 + [LayerKind.GLOBAL]
+        assert {layer.window for layer in family.spec.layers[:5]} == {WINDOW}
+    else:  # Llama, Qwen 2.5 and the MoE model all keep plain KV caches
+        assert set(kinds) == {LayerKind.GLOBAL}
+
+
+@pytest.mark.anyio
+async def test_dialogues_equal_mlx_lm_alone_and_batched(family: Loaded, anyio_backend: str) -> None:
+    eos = family.tokenizer.eos_token_ids
+    async with Runtime(family.path, pool_blocks=300, log_level="off") as rt:
+        agents = [
+            await rt.spawn(f"a{i}", system=f"You are agent number {i}.", max_tokens=24)
+            for i in range(3)
+        ]
+        replies: dict[str, list[Any]] = {a.name: [] for a in agents}
+
+        async def converse(agent: Any) -> None:
+            for text in TURNS:
+                replies[agent.name].append(await agent.ask(text))
+
+        await converse(agents[0])  # alone
+        async with anyio.create_task_group() as tg:  # the other two, batched together
+            for agent in agents[1:]:
+                tg.start_soon(converse, agent)
+        stats = await rt.stats()
+        assert stats.max_batch_size >= 2
+        assert stats.pool.used_blocks == sum(a.statistics().cached_blocks for a in agents)
+        histories = {a.name: a.history for a in agents}
+    for name, history in histories.items():
+        chat = ReferenceChat(family.model, eos)
+        for turn, reply in enumerate(replies[name]):
+            prompt = render(family.tokenizer, history[: 2 + 2 * turn])
+            assert list(reply.tokens) == chat.turn(prompt, 24), (name, turn)
+        # the history outgrew the sliding window, so the windowed layers were exercised
+        assert len(chat.tokens) > 2 * WINDOW
+
+
+def test_sliding_layers_keep_only_their_window(family: Loaded) -> None:
+    pool = BlockPool(family.spec, total_blocks=400)
+    engine = BlockPoolBatchEngine(family.model, family.tokenizer, pool)
+    blocks = None
+    total = 0
+    for turn, n in enumerate([300, 260, 500]):  # the history crosses several blocks
+        prompt = [(7 * i + turn) % 256 for i in range(n)]
+        uid = engine.submit("a", prompt, blocks, max_tokens=5)
+        result = run_to_completion(engine)[uid]
+        engine.release(blocks)
+        blocks = result.blocks
+        total = blocks.num_tokens
+        for layer, layer_blocks in zip(family.spec.layers, blocks.layers):
+            held = sum(b.num_tokens for b in layer_blocks)
+            if layer.kind is LayerKind.GLOBAL:
+                assert len(layer_blocks) == math.ceil(total / BLOCK_SIZE)
+                assert held == total
+            else:
+                assert held == WINDOW  # exactly the window: older tokens were dropped
+                assert len(layer_blocks) <= math.ceil(WINDOW / BLOCK_SIZE) + 1
+        assert pool.used_blocks == blocks.num_blocks
+    assert total > 1000
+    engine.release(blocks)
+    assert pool.statistics().used_blocks == 0
+
+
+@pytest.mark.anyio
+async def test_a_model_with_recurrent_layers_is_refused_at_start(tmp_path: Path) -> None:
+    path = write_random_model(tmp_path / "mamba", MAMBA)
+    with pytest.raises(UnsupportedModelError, match="ArraysCache"):
+        async with Runtime(path, log_level="off"):
+            pass
+    mlx_lm.load(str(path))  # a real model that mlx-lm itself runs
