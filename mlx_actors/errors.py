@@ -7,14 +7,17 @@ from collections.abc import Sequence
 __all__ = [
     "AgentClosedError",
     "CacheReconstructionError",
+    "CorruptStateError",
     "EngineError",
     "InvalidRequestError",
     "MlxActorsError",
     "ModelCacheError",
     "ModelIntegrityError",
+    "ModelMismatchError",
     "ModelNotFoundError",
     "PoolExhaustedError",
     "RuntimeClosedError",
+    "StateInUseError",
     "TurnTimeoutError",
     "UnknownAgentError",
     "UnsupportedModelError",
@@ -90,3 +93,16 @@ class UnknownAgentError(MlxActorsError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class CorruptStateError(MlxActorsError, ValueError):
+    """A file of a runtime's state directory (an agent's conversation or saved cache) is
+    corrupt, truncated or not what its index says; the message names the file."""
+
+
+class ModelMismatchError(MlxActorsError, ValueError):
+    """A state directory holds caches made by another model; it was left untouched."""
+
+
+class StateInUseError(MlxActorsError, RuntimeError):
+    """Another runtime (in this process or another) has the state directory open."""

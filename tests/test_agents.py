@@ -4,6 +4,8 @@ turns share batches, and every failure leaves the agent as it was."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +279,40 @@ async def test_leaving_the_runtime_fails_waiting_callers_and_returns_every_block
         await rt.spawn("late")
 
 
+EXIT_SCRIPT = """
+import sys, threading, anyio
+from mlx_actors import Runtime
+
+def engine_threads():
+    return [t for t in threading.enumerate() if t.name == "mlx-actors-engine"]
+
+async def main(path):
+    for _ in range(3):
+        async with Runtime(path, log_level="off") as rt:
+            assert len(engine_threads()) == 1
+            agent = await rt.spawn("a")
+            await agent.ask("Tell me about the sea.", max_tokens=16)
+        assert engine_threads() == [], engine_threads()
+    print("clean")
+
+anyio.run(main, sys.argv[1], backend=sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_engine_thread_ends_with_the_runtime_and_the_process_exits_cleanly(
+    tiny_dir: Path, backend: str
+) -> None:
+    # MLX state a thread leaves behind can abort the interpreter at exit (mlx#4327).
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, str(tiny_dir), backend],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "clean"), done.stderr
+
+
 async def test_an_engine_error_fails_its_turns_and_other_agents_keep_working(
     tiny: Loaded, tiny_dir: Path
 ) -> None:
@@ -353,7 +389,7 @@ async def test_bad_asks_get_typed_errors(
 async def test_bad_spawns_get_typed_errors(tiny_dir: Path) -> None:
     async with runtime(tiny_dir) as rt:
         await rt.spawn("kim")
-        for name in ["kim"]:
+        for name in ["kim", "Kim", "KIM"]:  # names ignore case: they name files
             with pytest.raises(InvalidRequestError, match="already exists"):
                 await rt.spawn(name)
         for name in ["", "../etc", "a/b", "x.y", "9lives", "a" * 65, None, "spa ce"]:

@@ -6,6 +6,7 @@ tokens their cache lacks; they never touch MLX arrays.
 
 from ._agent import Agent as Agent
 from ._agent import AgentStatistics as AgentStatistics
+from ._agent import Keeper as Keeper
 from ._agent import TurnOptions as TurnOptions
 from ._agent import check_name as check_name
 from ._reply import Message as Message

@@ -7,7 +7,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import anyio
 import attrs
@@ -21,7 +21,7 @@ from ..errors import (
     RuntimeClosedError,
     TurnTimeoutError,
 )
-from ..scheduler import AgentBlocks, Sampling, Scheduler, Turn
+from ..scheduler import Sampling, Scheduler, Turn
 from ._reply import Message, Reply, TurnStream
 
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
@@ -79,6 +79,18 @@ class AgentStatistics:
     cached_tokens: int
     #: Cache blocks the agent holds (one block is 256 tokens of one layer).
     cached_blocks: int
+    #: Whether the cache was moved to disk to make room (it comes back on the next turn).
+    on_disk: bool
+
+
+class Keeper(Protocol):
+    """How the runtime keeps an agent beyond its process (a state directory)."""
+
+    async def changed(self, agent: Agent) -> None:
+        """After a turn or a reset: save what changed."""
+
+    async def closed(self, agent: Agent) -> None:
+        """After ``close()``: forget the agent."""
 
 
 @attrs.define(eq=False)
@@ -187,6 +199,10 @@ class Agent:
         mailbox_size: int,
         log: Any,
         on_stopped: Callable[[Agent], None],
+        keeper: Keeper | None = None,
+        messages: Sequence[Message] = (),
+        turns: int = 0,
+        cached: tuple[int, int] = (0, 0),
     ) -> None:
         self.name = name
         self.system = system
@@ -195,10 +211,11 @@ class Agent:
         self._tokenizer = scheduler.tokenizer
         self._log = log
         self._on_stopped = on_stopped
+        self._keeper = keeper
         self._mailbox, self._inbox = anyio.create_memory_object_stream[Envelope](mailbox_size)
-        self._messages: list[Message] = []
-        self._blocks: AgentBlocks | None = None
-        self._turns = 0
+        self._messages: list[Message] = list(messages)
+        self._cached_tokens, self._cached_blocks = cached
+        self._turns = turns
         self._abandoned = 0  # cancelled requests still in the mailbox
         self._scope = anyio.CancelScope()
         self._stopped = anyio.Event()
@@ -218,7 +235,7 @@ class Agent:
     @property
     def cached_tokens(self) -> int:
         """Tokens of the conversation held in the agent's KV cache."""
-        return 0 if self._blocks is None else self._blocks.num_tokens
+        return self._cached_tokens
 
     @property
     def closed(self) -> bool:
@@ -230,8 +247,9 @@ class Agent:
             queued=mailbox.current_buffer_used - self._abandoned,
             senders_waiting=mailbox.tasks_waiting_send,
             turns=self._turns,
-            cached_tokens=self.cached_tokens,
-            cached_blocks=0 if self._blocks is None else self._blocks.num_blocks,
+            cached_tokens=self._cached_tokens,
+            cached_blocks=self._cached_blocks,
+            on_disk=self._scheduler.on_disk(self.name),
         )
 
     async def ask(
@@ -294,9 +312,14 @@ class Agent:
         await envelope.outcome()
 
     async def close(self) -> None:
-        """Stop the agent: the running turn is cancelled, queued ones fail with
-        :class:`AgentClosedError`, and its cache blocks go back to the pool."""
+        """Stop and forget the agent: the running turn is cancelled, queued ones fail
+        with :class:`AgentClosedError`, its cache blocks go back to the pool, and what a
+        state directory kept of it is deleted."""
         await self._stop(AgentClosedError(f"agent {self.name!r} is closed"))
+        with anyio.CancelScope(shield=True):
+            await self._scheduler.forget(self.name, drop=True)
+            if self._keeper is not None:
+                await self._keeper.closed(self)
 
     # -- inside the agent -----------------------------------------------------------------
 
@@ -357,8 +380,6 @@ class Agent:
                 envelope.error = self._closing
                 envelope.finish()
             self._inbox.close()
-            self._scheduler.release(self._blocks)
-            self._blocks = None
             self._stopped.set()
             self._on_stopped(self)
 
@@ -367,8 +388,7 @@ class Agent:
             with anyio.CancelScope() as envelope.scope:
                 try:
                     if envelope.kind == "reset":
-                        self._scheduler.release(self._blocks)
-                        self._blocks, self._messages = None, []
+                        await self._reset()
                     else:
                         await self._turn(envelope)
                     envelope.completed = True
@@ -384,31 +404,29 @@ class Agent:
         started = time.perf_counter()
         options = envelope.options
         messages = [*self._messages, Message(role="user", content=envelope.text)]
-        tokens = self._render(messages)
-        blocks = self._blocks
-        common = 0
-        if blocks is not None:
-            # The cache must keep at least one token to feed: never match it all.
-            common = min(blocks.common_prefix(tokens), len(tokens) - 1)
         seed = options.seed
         if seed is not None and self.options.seed == seed:
             seed += self._turns  # an agent's seed gives each of its turns its own stream
         turn = Turn(
             agent=self.name,
-            prompt=tokens[common:],
-            cache=blocks,
-            trim=(blocks.num_tokens - common) if blocks is not None else 0,
+            tokens=self._render(messages),
             max_tokens=options.max_tokens,
             sampling=Sampling(temperature=options.temperature, top_p=options.top_p, seed=seed),
             stop=options.stop,
             on_text=_pusher(envelope.push) if envelope.push is not None else None,
         )
         result = await self._scheduler.run_turn(turn)
-        # Commit the reply and its cache together: nothing below awaits.
-        self._scheduler.release(self._blocks)
-        self._blocks = result.blocks
+        # Commit the reply and its cache together: nothing awaits until the keeper.
+        self._scheduler.commit(self.name, result.blocks)
+        self._cached_tokens, self._cached_blocks = (
+            result.blocks.num_tokens,
+            result.blocks.num_blocks,
+        )
         self._messages = [*messages, Message(role="assistant", content=result.text)]
         self._turns += 1
+        if self._keeper is not None:
+            with anyio.CancelScope(shield=True):  # the turn happened: it must be kept
+                await self._keeper.changed(self)
         envelope.reply = Reply(
             text=result.text,
             tokens=result.tokens,
@@ -417,6 +435,13 @@ class Agent:
             ttft_s=result.submitted_at + result.ttft_s - started,
             total_s=time.perf_counter() - started,
         )
+
+    async def _reset(self) -> None:
+        self._messages, self._cached_tokens, self._cached_blocks = [], 0, 0
+        with anyio.CancelScope(shield=True):
+            await self._scheduler.forget(self.name, drop=True)
+            if self._keeper is not None:
+                await self._keeper.changed(self)
 
     def _render(self, messages: list[Message]) -> list[int]:
         system = [Message(role="system", content=self.system)] if self.system else []

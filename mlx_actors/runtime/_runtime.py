@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
 
@@ -11,10 +14,12 @@ import anyio
 import attrs
 from anyio.abc import TaskGroup
 
-from ..actors import Agent, TurnOptions, check_name
+from ..actors import Agent, Message, TurnOptions, check_name
 from ..errors import InvalidRequestError, RuntimeClosedError, UnknownAgentError
 from ..scheduler import PoolStatistics, Scheduler
+from ._disk import DiskCacheStore
 from ._models import load_model
+from ._state import AgentRecord, StateDir
 from ._trace import Trace, logging_to
 
 
@@ -40,6 +45,14 @@ class RuntimeStatistics:
     turns_in_flight: int
     #: Live agents.
     agents: int
+    #: Agents whose cache is in the pool, and the blocks they hold.
+    resident_agents: int
+    resident_blocks: int
+    #: Agents whose cache was moved to disk to make room.
+    agents_on_disk: int
+    #: Caches moved to disk, and brought back, so far.
+    evictions: int
+    restores: int
 
 
 def _default_pool_bytes() -> int:
@@ -77,6 +90,17 @@ class Runtime:
             turns, ``"debug"`` every step, ``"off"`` nothing).
         dequantize: run the default model (or a GGUF file) with float32 weights
             instead of 4-bit ones (faster on CPUs, four times the memory).
+        state_dir: keep agents there (conversations as JSON, caches as safetensors), so
+            that a later ``Runtime`` on the same directory brings them back with warm
+            caches. It records the model's weights checksum; another model is refused.
+            Without it, caches that leave the pool go to a temporary swap directory.
+        persist: with ``state_dir``, save each agent after every turn (``"turn"``, the
+            default) or only when leaving the runtime (``"exit"``).
+
+    When a turn needs more blocks than are free, the least recently used idle agents'
+    caches are written to disk and freed; an agent whose cache is on disk gets it back
+    before its next turn runs. Only when every cache in the pool belongs to an agent
+    with a turn in flight does a turn fail with :class:`PoolExhaustedError`.
     """
 
     def __init__(
@@ -92,6 +116,8 @@ class Runtime:
         trace: str | os.PathLike[str] | None = None,
         log_level: str = "info",
         dequantize: bool = False,
+        state_dir: str | os.PathLike[str] | None = None,
+        persist: str = "turn",
     ) -> None:
         for name, value in (
             ("max_batch_size", max_batch_size),
@@ -117,38 +143,57 @@ class Runtime:
         self._model = model
         self._dequantize = dequantize
         self._mailbox_size = mailbox_size
+        self._state = StateDir(state_dir, persist=persist) if state_dir is not None else None
         self._trace = Trace(trace, level=log_level)
         self.log = self._trace.log
         if pool_blocks is None and pool_bytes is None:
             pool_bytes = _default_pool_bytes()
-        self._scheduler = Scheduler(
-            self._load,
+        self._scheduler_options: dict[str, Any] = dict(
             pool_blocks=pool_blocks,
             pool_bytes=pool_bytes,
             max_batch_size=max_batch_size,
             prefill_step_size=prefill_step_size,
             admission_window=admission_window,
-            log=self.log,
         )
         self._agents: dict[str, Agent] = {}
+        self._keeping: dict[str, anyio.Lock] = {}
         self._tg: TaskGroup | None = None
         self._closed = False
+        self._swap: Path | None = None
         self.model_path: Any = None
 
     def _load(self) -> tuple[Any, Any]:
+        """Runs on the engine thread: load the model, then claim the state directory."""
         with logging_to(self.log):
             loaded = load_model(self._model, dequantize=self._dequantize)
         self.model_path = loaded.path
+        if self._state is not None:
+            self._state.claim(loaded.path)
         return loaded.model, loaded.tokenizer
+
+    @property
+    def cache_dir(self) -> Path | None:
+        """Where caches that leave the pool are written (``None`` before entering)."""
+        if self._state is not None:
+            return self._state.path / "caches"
+        return self._swap
 
     async def __aenter__(self) -> Runtime:
         if self._tg is not None or self._closed:
             raise RuntimeError("a Runtime can be entered only once")
+        if self._state is not None:
+            store = self._state.caches()
+        else:
+            self._swap = Path(tempfile.mkdtemp(prefix="mlx-actors-swap-"))
+            store = DiskCacheStore(self._swap, persistent=False)
+        self._store = store
+        self._scheduler = Scheduler(self._load, store, log=self.log, **self._scheduler_options)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._scheduler.serve)
         try:
             await self._scheduler.wait_started()
+            await self._resume()
         except BaseException:
             self._closed = True
             self._scheduler.shutdown()
@@ -156,10 +201,39 @@ class Runtime:
             try:  # the start-up error propagates as it is, not inside an ExceptionGroup
                 await self._tg.__aexit__(None, None, None)
             finally:
-                self._trace.close()
+                self._cleanup()
             raise
-        self.log.info("runtime.started", model=str(self.model_path))
+        self.log.info("runtime.started", model=str(self.model_path), agents=len(self._agents))
         return self
+
+    async def _resume(self) -> None:
+        """Bring back the agents a state directory holds; their caches stay on disk
+        until their next turn."""
+        if self._state is None:
+            return
+        records = await anyio.to_thread.run_sync(self._state.records)
+        for record in records:
+            tokens = await anyio.to_thread.run_sync(self._store.tokens, record.name)
+            if tokens:
+                self._scheduler.adopt(record.name, tokens)
+            assert self._scheduler.spec is not None
+            await self._start_agent(
+                check_name(record.name),
+                system=record.system,
+                options=TurnOptions(**{**record.options, "stop": tuple(record.options["stop"])}),
+                mailbox_size=self._mailbox_size,
+                messages=[Message(role=m["role"], content=m["content"]) for m in record.messages],
+                turns=record.turns,
+                cached=(len(tokens), self._scheduler.spec.blocks_held(len(tokens))),
+            )
+            self.log.info("agent.resumed", agent=record.name, cached_tokens=len(tokens))
+
+    def _cleanup(self) -> None:
+        if self._state is not None:
+            self._state.release()
+        self._trace.close()
+        if self._swap is not None:
+            shutil.rmtree(self._swap, ignore_errors=True)
 
     async def __aexit__(
         self,
@@ -177,7 +251,7 @@ class Runtime:
             try:
                 await self._tg.__aexit__(None, None, None)
             finally:
-                self._trace.close()
+                self._cleanup()
         return None
 
     async def aclose(self) -> None:
@@ -186,12 +260,66 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        agents = list(self._agents.values())
         error = RuntimeClosedError("the runtime shut down before the turn finished")
         async with anyio.create_task_group() as tg:
-            for agent in list(self._agents.values()):
+            for agent in agents:
                 tg.start_soon(agent._stop, error)
+        if self._state is not None:  # keep every agent as its last turn left it
+            async with anyio.create_task_group() as tg:
+                for agent in agents:
+                    tg.start_soon(self._keep_or_log, agent)
         self._scheduler.shutdown()
         self.log.info("runtime.stopped")
+
+    async def flush(self) -> None:
+        """Finish the disk work asked for so far. With a ``state_dir``, first save every
+        agent as it stands (a checkpoint, useful with ``persist="exit"``)."""
+        if self._tg is None or self._closed:
+            raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
+        if self._state is not None:
+            async with anyio.create_task_group() as tg:
+                for agent in list(self._agents.values()):
+                    tg.start_soon(self._keep, agent)
+        await self._scheduler.idle_disk()
+
+    async def _keep(self, agent: Agent) -> None:
+        """Save the agent's record, then its cache; one save of an agent at a time."""
+        assert self._state is not None
+        async with self._keeping.setdefault(agent.name, anyio.Lock()):
+            await self._write_agent(agent)
+
+    async def _keep_or_log(self, agent: Agent) -> None:
+        try:
+            await self._keep(agent)
+        except Exception as exc:  # the turn itself is done; the disk is what failed
+            self.log.error("agent.save_failed", agent=agent.name, error=repr(exc))
+
+    async def _write_agent(self, agent: Agent) -> None:
+        assert self._state is not None
+        options = {**attrs.asdict(agent.options), "stop": list(agent.options.stop)}
+        messages = [m.as_dict() for m in agent.history if m.role != "system"]
+        record = AgentRecord(
+            name=agent.name,
+            system=agent.system,
+            options=options,
+            messages=messages,
+            turns=agent.statistics().turns,
+        )
+        await self._state.save(record)
+        await self._scheduler.save(agent.name)
+
+    async def changed(self, agent: Agent) -> None:
+        """The agents' keeper: save an agent after each turn (``persist="turn"``)."""
+        if self._state is not None and self._state.persist == "turn":
+            await self._keep_or_log(agent)
+
+    async def closed(self, agent: Agent) -> None:
+        """The agents' keeper: a closed agent is forgotten by the state directory."""
+        if self._state is not None:
+            async with self._keeping.setdefault(agent.name, anyio.Lock()):
+                await self._state.delete(agent.name)
+            self._keeping.pop(agent.name, None)
 
     # -- agents ---------------------------------------------------------------------------
 
@@ -220,8 +348,11 @@ class Runtime:
         if self._tg is None or self._closed:
             raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
         check_name(name)
-        if name in self._agents:
-            raise InvalidRequestError(f"an agent named {name!r} already exists")
+        for other in self._agents:
+            if other.casefold() == name.casefold():
+                raise InvalidRequestError(
+                    f"an agent named {other!r} already exists (names ignore case: they name files)"
+                )
         if system is not None and not isinstance(system, str):
             raise InvalidRequestError(f"system must be a string, got {system!r}")
         if mailbox_size is not None and (
@@ -231,18 +362,27 @@ class Runtime:
         options = TurnOptions(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
         ).override(stop=stop)
+        agent = await self._start_agent(
+            name, system=system or None, options=options, mailbox_size=mailbox_size
+        )
+        if self._state is not None and self._state.persist == "turn":
+            await self._keep(agent)
+        self.log.info("agent.spawned", agent=name)
+        return agent
+
+    async def _start_agent(self, name: str, *, mailbox_size: int | None, **kwargs: Any) -> Agent:
+        assert self._tg is not None
         agent = Agent(
             name,
             self._scheduler,
-            system=system or None,
-            options=options,
             mailbox_size=mailbox_size or self._mailbox_size,
             log=self.log,
             on_stopped=self._forget,
+            keeper=self,
+            **kwargs,
         )
         self._agents[name] = agent
         await self._tg.start(agent.serve)
-        self.log.info("agent.spawned", agent=name)
         return agent
 
     def _forget(self, agent: Agent) -> None:
@@ -276,4 +416,9 @@ class Runtime:
             turns=s.engine.completed,
             turns_in_flight=s.turns_in_flight,
             agents=len(self._agents),
+            resident_agents=s.resident_agents,
+            resident_blocks=s.resident_blocks,
+            agents_on_disk=s.agents_on_disk,
+            evictions=s.evictions,
+            restores=s.restores,
         )

@@ -1,101 +1,54 @@
-"""The scheduler actor: owns the engine on one thread and serves turns to async callers."""
+"""The scheduler actor: owns the engine thread and serves turns to async callers."""
 
 from __future__ import annotations
 
-import itertools
+import functools
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
-import attrs
+import mlx.core as mx
 import structlog
+from anyio.abc import TaskGroup
+from anyio.lowlevel import EventLoopToken
 
-from ..errors import EngineError, MlxActorsError, RuntimeClosedError
-from ._blocks import max_trim
-from ._engine import (
-    BlockPoolBatchEngine,
-    CompletedGeneration,
-    EngineStatistics,
-    Sampling,
-    TokenEvent,
+from ..errors import CorruptStateError, MlxActorsError, RuntimeClosedError
+from ._engine import BlockPoolBatchEngine, CompletedGeneration
+from ._image import CacheImage
+from ._loop import EngineLoop, Outbox
+from ._pool import AgentBlocks, BlockPool
+from ._protocol import (
+    SHUTDOWN,
+    Adopt,
+    CacheStore,
+    Cancel,
+    Commit,
+    Forget,
+    Query,
+    Release,
+    Save,
+    SchedulerStatistics,
+    Stored,
+    Submit,
+    Turn,
 )
-from ._pool import AgentBlocks, BlockPool, PoolStatistics
 from ._spec import ModelCacheSpec
 
 Loader = Callable[[], tuple[Any, Any]]
 
 
-@attrs.define(eq=False)
-class Turn:
-    """One agent's request: new tokens against its cache, and where the answer goes.
-
-    Made on the event loop; the engine thread fills ``uid`` and the scheduler sets the
-    outcome (``result`` or ``error``) before ``done`` is set.
-    """
-
-    agent: str
-    prompt: list[int]
-    cache: AgentBlocks | None
-    trim: int
-    max_tokens: int
-    sampling: Sampling
-    stop: tuple[str, ...] = ()
-    #: Called on the event loop with each printable piece of text.
-    on_text: Callable[[str], None] | None = None
-    id: int = attrs.field(factory=itertools.count(1).__next__)
-    result: CompletedGeneration | None = None
-    error: BaseException | None = None
-    done: anyio.Event = attrs.field(factory=anyio.Event)
-    #: Set once a cancellation has reached the engine (or found nothing to cancel).
-    cancelled: anyio.Event = attrs.field(factory=anyio.Event)
-    uid: int | None = None
-    queued_at: float = attrs.field(factory=time.perf_counter)
-
-
-@attrs.frozen(kw_only=True)
-class SchedulerStatistics:
-    """Where the scheduler stands."""
-
-    pool: PoolStatistics
-    engine: EngineStatistics
-    #: Turns queued or running now.
-    turns_in_flight: int
-
-
-@attrs.frozen
-class _Submit:
-    turn: Turn
-
-
-@attrs.frozen
-class _Cancel:
-    turn: Turn
-
-
-@attrs.frozen
-class _Release:
-    blocks: AgentBlocks
-
-
-@attrs.frozen
-class _Query:
-    reply: Callable[[SchedulerStatistics], None]
-
-
-_SHUTDOWN = object()
-
-
 class Scheduler:
     """Batches every agent's turns through one :class:`BlockPoolBatchEngine`.
 
-    All MLX work (loading the model, every step, cutting caches into blocks, freeing
-    them) happens on one engine thread; the event loop only exchanges messages with
-    it: commands go in through a thread-safe queue, and after each step the thread
-    hands the loop one ordered batch of deliveries (text pieces, finished and failed
-    turns). New turns join the batch at step boundaries.
+    All MLX work (loading the model, every step, cutting caches into blocks, moving
+    them to host memory and back) happens on one engine thread (:class:`EngineLoop`).
+    The event loop only exchanges messages with it: commands go in through a
+    thread-safe queue, and after each step the thread hands the loop one ordered batch
+    of deliveries. Caches the pool must give up go to ``store``, written and read on
+    worker threads, one agent's operations in order.
 
     Run :meth:`serve` in a task group, then await :meth:`wait_started`; call
     :meth:`shutdown` before leaving the task group.
@@ -109,6 +62,7 @@ class Scheduler:
     def __init__(
         self,
         load: Loader,
+        store: CacheStore,
         *,
         pool_blocks: int | None = None,
         pool_bytes: int | None = None,
@@ -118,6 +72,7 @@ class Scheduler:
         log: Any = None,
     ) -> None:
         self._load = load
+        self._store = store
         self._admission_window = admission_window
         self._pool_blocks, self._pool_bytes = pool_blocks, pool_bytes
         self._max_batch_size = max_batch_size
@@ -129,6 +84,10 @@ class Scheduler:
         self._started = anyio.Event()
         self._startup_error: BaseException | None = None
         self._final: SchedulerStatistics | None = None
+        self._background: TaskGroup | None = None
+        self._token: EventLoopToken | None = None
+        self._disk_tail: dict[str, anyio.Event] = {}
+        self._on_disk: set[str] = set()
         self.model: Any = None
         self.tokenizer: Any = None
         self.spec: ModelCacheSpec | None = None
@@ -136,15 +95,38 @@ class Scheduler:
     # -- life cycle ----------------------------------------------------------------------
 
     async def serve(self) -> None:
-        """Run the engine thread until :meth:`shutdown`. Start-up errors are kept for
-        :meth:`wait_started` rather than raised here."""
-        try:
-            await anyio.to_thread.run_sync(self._thread_main)
-        except BaseException as exc:
-            if self._started.is_set():
-                raise
-            self._startup_error = exc
-            self._started.set()
+        """Run the engine thread until :meth:`shutdown`, and the disk work it asks for.
+        Start-up errors are kept for :meth:`wait_started` rather than raised here."""
+        self._token = anyio.lowlevel.current_token()
+        finished = anyio.Event()
+        failure: list[BaseException] = []
+
+        def main() -> None:
+            try:
+                self._thread_main()
+            except BaseException as exc:
+                failure.append(exc)
+            finally:
+                # MLX keeps per-thread streams and compiled graphs; left to the thread's
+                # exit they can be destroyed after the interpreter has finalised, which
+                # aborts the process (ml-explore/mlx#4327 and #4373).
+                mx.clear_streams()
+                anyio.from_thread.run_sync(finished.set, token=self._token)
+
+        # A thread of our own rather than a pooled worker: it must end, streams
+        # cleared, with the runtime, and no later MLX work may land on it.
+        thread = threading.Thread(target=main, name="mlx-actors-engine")
+        async with anyio.create_task_group() as background:
+            self._background = background
+            thread.start()
+            with anyio.CancelScope(shield=True):  # the thread stops only on shutdown
+                await finished.wait()
+                await anyio.to_thread.run_sync(thread.join)
+            if failure:
+                if self._started.is_set():
+                    raise failure[0]
+                self._startup_error = failure[0]
+                self._started.set()
 
     async def wait_started(self) -> None:
         """Wait until the model is loaded and the engine ready; raise what stopped it."""
@@ -155,40 +137,80 @@ class Scheduler:
     def shutdown(self) -> None:
         """Ask the engine thread to stop; every turn still in flight fails with
         :class:`RuntimeClosedError`. Safe to call more than once."""
-        self._put(_SHUTDOWN)
+        self._put(SHUTDOWN)
 
     # -- the async side ------------------------------------------------------------------
 
     async def run_turn(self, turn: Turn) -> CompletedGeneration:
-        """Queue ``turn`` and wait for its result.
+        """Queue ``turn`` and wait for its result; the caller must :meth:`commit` or
+        :meth:`release` the result's blocks.
 
-        If the caller is cancelled, the turn is removed from the batch and its blocks
-        freed before this returns; the ``cache`` it was given is untouched.
+        If the agent's cache is on disk, it is read back (on a worker thread) first. If
+        the caller is cancelled, the turn is removed from the batch and its blocks freed
+        before this returns.
         """
-        self._log.debug(
-            "turn.queued", agent=turn.agent, turn=turn.id, prompt_tokens=len(turn.prompt)
-        )
-        self._put(_Submit(turn))
-        try:
-            await turn.done.wait()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                if not turn.done.is_set():
-                    self._put(_Cancel(turn))
-                    await turn.cancelled.wait()
-                if turn.result is not None:  # it finished before the cancel landed
-                    self.release(turn.result.blocks)
-                    turn.result = None
-            raise
+        self._log.debug("turn.queued", agent=turn.agent, turn=turn.id, tokens=len(turn.tokens))
+        image: CacheImage | None = None
+        while True:
+            self._put(Submit(turn, image))
+            try:
+                await turn.settled.wait()
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    if not turn.settled.is_set():
+                        self._put(Cancel(turn))
+                        await turn.cancelled.wait()
+                    if turn.result is not None:  # it finished before the cancel landed
+                        self.release(turn.agent, turn.result.blocks)
+                        turn.result = None
+                raise
+            if not turn.needs_restore:
+                break
+            turn.needs_restore, turn.settled = False, anyio.Event()
+            image = await self._read(turn.agent)  # None: the cache is gone, start over
         if turn.error is not None:
             raise turn.error
         assert turn.result is not None
         return turn.result
 
-    def release(self, blocks: AgentBlocks | None) -> None:
-        """Give blocks back to the pool (on the engine thread, in order)."""
-        if blocks is not None:
-            self._put(_Release(blocks))
+    def commit(self, agent: str, blocks: AgentBlocks) -> None:
+        """Make a finished turn's blocks the agent's cache (its old blocks are freed)."""
+        self._put(Commit(agent, blocks))
+
+    def release(self, agent: str, blocks: AgentBlocks) -> None:
+        """Drop a finished turn the agent does not take: free its blocks."""
+        self._put(Release(agent, blocks))
+
+    def adopt(self, agent: str, tokens: tuple[int, ...]) -> None:
+        """Register an agent whose cache is in the store (brought back from disk)."""
+        self._on_disk.add(agent)
+        self._put(Adopt(agent, tokens))
+
+    async def save(self, agent: str) -> None:
+        """Write the agent's cache to the store (only blocks not written before); raise
+        what stopped the write."""
+        done = anyio.Event()
+        outcome: list[BaseException | None] = []
+
+        def reply(error: BaseException | None) -> None:
+            outcome.append(error)
+            done.set()
+
+        self._put(Save(agent, reply))
+        await done.wait()
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    async def forget(self, agent: str, *, drop: bool) -> None:
+        """Free the agent's cache; with ``drop``, delete it from the store as well."""
+        self._put(Forget(agent))
+        self._on_disk.discard(agent)
+        if drop:
+            await self._disk(agent, lambda: self._store.drop(agent)).wait()
+
+    def on_disk(self, agent: str) -> bool:
+        """Whether the agent's cache is in the store rather than in the pool."""
+        return agent in self._on_disk
 
     async def statistics(self) -> SchedulerStatistics:
         """A consistent snapshot, taken on the engine thread after every earlier command."""
@@ -201,9 +223,82 @@ class Scheduler:
             answer.append(stats)
             ready.set()
 
-        self._put(_Query(reply))
+        self._put(Query(reply))
         await ready.wait()
         return answer[0]
+
+    async def idle_disk(self) -> None:
+        """Wait until every disk operation asked for so far is done."""
+        for event in list(self._disk_tail.values()):
+            await event.wait()
+
+    # -- disk work -------------------------------------------------------------------------
+
+    def _disk(self, agent: str, work: Callable[[], Awaitable[Any]]) -> anyio.Event:
+        """Run ``work`` in the background after the agent's earlier disk work."""
+        assert self._background is not None
+        previous = self._disk_tail.get(agent)
+        done = self._disk_tail[agent] = anyio.Event()
+
+        async def run() -> None:
+            try:
+                if previous is not None:
+                    await previous.wait()
+                await work()
+            except Exception as exc:
+                self._log.error("blocks.write_failed", agent=agent, error=str(exc))
+            finally:
+                done.set()
+                if self._disk_tail.get(agent) is done:
+                    del self._disk_tail[agent]
+
+        self._background.start_soon(run)
+        return done
+
+    async def _read(self, agent: str) -> CacheImage | None:
+        pending = self._disk_tail.get(agent)
+        if pending is not None:
+            await pending.wait()
+        if agent not in self._on_disk:  # the write that evicted it failed
+            return None
+        started = time.perf_counter()
+        try:
+            image = await self._store.load(agent)
+        except MlxActorsError as exc:
+            # The agent's next turn starts again from its conversation.
+            self._log.error("blocks.lost", agent=agent, error=str(exc))
+            await self.forget(agent, drop=True)
+            raise
+        self._log.debug(
+            "blocks.read",
+            agent=agent,
+            bytes=image.nbytes,
+            ms=round((time.perf_counter() - started) * 1e3, 2),
+        )
+        return image
+
+    async def _write(self, agent: str, image: CacheImage) -> None:
+        started = time.perf_counter()
+        refs = await self._store.save(agent, image)
+        self._log.debug(
+            "blocks.written",
+            agent=agent,
+            bytes=image.nbytes,
+            ms=round((time.perf_counter() - started) * 1e3, 2),
+        )
+        self._put(Stored(agent, refs, image.serial))
+
+    async def _write_evicted(self, agent: str, image: CacheImage) -> None:
+        try:
+            await self._write(agent, image)
+        except Exception as exc:
+            # The cache is gone, not corrupt: the agent's next turn starts again from
+            # its conversation rather than failing.
+            self._log.error("blocks.write_failed", agent=agent, error=repr(exc))
+            self._put(Forget(agent))
+            self._on_disk.discard(agent)
+
+    # -- deliveries --------------------------------------------------------------------------
 
     def _put(self, command: object) -> None:
         with self._lock:
@@ -214,34 +309,70 @@ class Scheduler:
 
     def _refuse(self, command: object) -> None:
         """Answer a command the stopped engine thread will never see."""
-        if isinstance(command, _Submit):
+        if isinstance(command, Submit):
             self._fail(command.turn, RuntimeClosedError("the runtime has shut down"))
-        elif isinstance(command, _Cancel):
+        elif isinstance(command, Cancel):
             command.turn.cancelled.set()
-        elif isinstance(command, _Query) and self._final is not None:
+        elif isinstance(command, Query) and self._final is not None:
             command.reply(self._final)
+        elif isinstance(command, Save):
+            command.reply(None)
 
     def _fail(self, turn: Turn, error: BaseException) -> None:
-        if not turn.done.is_set():
+        if not turn.settled.is_set():
             turn.error = error
-            turn.done.set()
+            turn.settled.set()
         turn.cancelled.set()
 
-    def _deliver(self, items: list[tuple[str, Any, Any]]) -> None:
+    def _deliver(self, items: Outbox) -> None:
         """Runs on the event loop: hand one step's results to their turns, in order."""
         for kind, target, value in items:
             if kind == "text":
-                if target.on_text is not None and not target.done.is_set():
+                if target.on_text is not None and not target.settled.is_set():
                     target.on_text(value)
             elif kind == "done":
                 target.result = value
-                target.done.set()
+                target.settled.set()
             elif kind == "failed":
                 self._fail(target, value)
             elif kind == "cancelled":
                 target.cancelled.set()
+            elif kind == "restore":
+                target.needs_restore = True
+                target.settled.set()
+            elif kind == "evicted":
+                self._on_disk.add(target)
+                self._disk(target, functools.partial(self._write_evicted, target, value))
+            elif kind == "lost":
+                agent = target.agent
+                self._log.error("blocks.lost", agent=agent, error=str(value))
+                self._on_disk.discard(agent)
+                self._disk(agent, functools.partial(self._store.drop, agent))
+                self._fail(
+                    target,
+                    CorruptStateError(
+                        f"the saved cache of agent {agent!r} ({self._store.where(agent)}) "
+                        f"does not fit the model, so it was deleted and the agent's next "
+                        f"turn starts from its conversation: {value}"
+                    ),
+                )
+            elif kind == "restored":
+                self._on_disk.discard(target)
+                if not self._store.persistent:  # a swap area keeps only what is out
+                    self._disk(target, functools.partial(self._store.drop, target))
+            elif kind == "save":
+                self._disk(target.agent, functools.partial(self._save_for, target, value))
             elif kind == "stats":
-                target(value)  # a _Query's reply callback
+                target(value)  # a Query's reply callback
+
+    async def _save_for(self, command: Save, image: CacheImage | None) -> None:
+        try:
+            if image is not None:
+                await self._write(command.agent, image)
+        except Exception as exc:
+            command.reply(exc)
+        else:
+            command.reply(None)
 
     # -- the engine thread ---------------------------------------------------------------
 
@@ -277,11 +408,21 @@ class Scheduler:
             with self._lock:
                 self._stopped = True
             raise
-        anyio.from_thread.run_sync(self._started.set)
-        turns: dict[int, Turn] = {}
-        outbox: list[tuple[str, Any, Any]] = []
+
+        def deliver(items: Outbox) -> None:
+            anyio.from_thread.run_sync(self._deliver, items, token=self._token)
+
+        loop = EngineLoop(
+            engine,
+            self._commands,
+            deliver,
+            log=self._log,
+            admission_window=self._admission_window,
+            persistent_store=self._store.persistent,
+        )
+        anyio.from_thread.run_sync(self._started.set, token=self._token)
         try:
-            self._serve(engine, turns, outbox)
+            loop.run()
         finally:
             with self._lock:
                 self._stopped = True
@@ -291,184 +432,6 @@ class Scheduler:
                     leftovers.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            for command in leftovers:
-                if isinstance(command, _Release):
-                    engine.release(command.blocks)
-            closed = RuntimeClosedError("the runtime shut down before the turn finished")
-            for turn in turns.values():
-                outbox.append(("failed", turn, closed))
-            engine.close()
-            self._final = self._snapshot(engine, 0)
-            for command in leftovers:
-                if isinstance(command, _Submit):
-                    outbox.append(("failed", command.turn, closed))
-                elif isinstance(command, _Cancel):
-                    outbox.append(("cancelled", command.turn, None))
-                elif isinstance(command, _Query):
-                    outbox.append(("stats", command.reply, self._final))
-            anyio.from_thread.run_sync(self._deliver, outbox)
+            self._final = loop.close(leftovers)
+            deliver(loop.outbox)
             self._log.info("scheduler.stopped", pool_used=self._final.pool.used_blocks)
-
-    def _serve(
-        self,
-        engine: BlockPoolBatchEngine,
-        turns: dict[int, Turn],
-        outbox: list[tuple[str, Any, Any]],
-    ) -> None:
-        while True:
-            # Idle: block until there is work. Busy: take what arrived since the step.
-            idle = not engine.active
-            try:
-                command = self._commands.get(block=idle)
-            except queue.Empty:
-                command = None
-            if idle and self._admission_window > 0:
-                # Turns sent together (a fan-out) trickle in over a few milliseconds;
-                # gathering them before the first step prefills them as one batch.
-                cap = time.perf_counter() + 10 * self._admission_window
-                while command is not None:
-                    if command is _SHUTDOWN:
-                        return
-                    self._apply(engine, turns, outbox, command)
-                    wait = min(self._admission_window, cap - time.perf_counter())
-                    try:
-                        command = self._commands.get(timeout=wait) if wait > 0 else None
-                    except queue.Empty:
-                        command = None
-            while command is not None:
-                if command is _SHUTDOWN:
-                    return
-                self._apply(engine, turns, outbox, command)
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            if engine.active:
-                self._step(engine, turns, outbox)
-            if outbox:
-                anyio.from_thread.run_sync(self._deliver, outbox[:])
-                outbox.clear()
-
-    def _apply(
-        self,
-        engine: BlockPoolBatchEngine,
-        turns: dict[int, Turn],
-        outbox: list[tuple[str, Any, Any]],
-        command: object,
-    ) -> None:
-        if isinstance(command, _Submit):
-            self._admit(engine, turns, outbox, command.turn)
-        elif isinstance(command, _Cancel):
-            turn = command.turn
-            if turn.uid is not None and turns.pop(turn.uid, None) is not None:
-                engine.cancel(turn.uid)
-                self._log.info(
-                    "turn.cancelled",
-                    agent=turn.agent,
-                    turn=turn.id,
-                    pool_used=engine.pool.used_blocks,
-                )
-            outbox.append(("cancelled", turn, None))
-        elif isinstance(command, _Release):
-            engine.release(command.blocks)
-        elif isinstance(command, _Query):
-            outbox.append(("stats", command.reply, self._snapshot(engine, len(turns))))
-
-    def _admit(
-        self,
-        engine: BlockPoolBatchEngine,
-        turns: dict[int, Turn],
-        outbox: list[tuple[str, Any, Any]],
-        turn: Turn,
-    ) -> None:
-        prompt, cache, trim = turn.prompt, turn.cache, turn.trim
-        if cache is not None and trim > max_trim(engine.spec, cache):
-            # Sliding-window layers no longer hold what the rewind needs: prefill it all.
-            prompt = [*cache.tokens[: cache.num_tokens - trim], *prompt]
-            cache, trim = None, 0
-        on_token = None
-        if turn.on_text is not None:
-
-            def on_token(event: TokenEvent, turn: Turn = turn) -> None:
-                if event.text:
-                    outbox.append(("text", turn, event.text))
-
-        try:
-            uid = engine.submit(
-                turn.agent,
-                prompt,
-                cache,
-                trim=trim,
-                max_tokens=turn.max_tokens,
-                sampling=turn.sampling,
-                stop=turn.stop,
-                on_token=on_token,
-            )
-        except MlxActorsError as exc:
-            self._log.info("turn.refused", agent=turn.agent, turn=turn.id, error=type(exc).__name__)
-            outbox.append(("failed", turn, exc))
-            return
-        except Exception as exc:
-            error = EngineError(f"the engine could not take the turn: {exc!r}")
-            outbox.append(("failed", turn, error))
-            return
-        turn.uid = uid
-        turns[uid] = turn
-        self._log.info(
-            "turn.admitted",
-            agent=turn.agent,
-            turn=turn.id,
-            batch=engine.active,
-            prefill_tokens=len(prompt),
-            cached_tokens=(cache.num_tokens - trim) if cache is not None else 0,
-            queued_ms=round((time.perf_counter() - turn.queued_at) * 1e3, 2),
-            pool_used=engine.pool.used_blocks,
-            pool_free=engine.pool.free_blocks,
-        )
-
-    def _step(
-        self,
-        engine: BlockPoolBatchEngine,
-        turns: dict[int, Turn],
-        outbox: list[tuple[str, Any, Any]],
-    ) -> None:
-        try:
-            finished = engine.step()
-        except EngineError as exc:
-            self._log.error("batch.failed", error=str(exc), turns=len(exc.uids))
-            for uid in exc.uids:
-                outbox.append(("failed", turns.pop(uid), exc))
-            return
-        info = engine.last_step
-        if info is not None:
-            self._log.debug(
-                "batch.step",
-                batch=info.decode_batch,
-                prefill_tokens=info.prefill_tokens,
-                finished=info.finished,
-                ms=round(info.seconds * 1e3, 3),
-                pool_used=engine.pool.used_blocks,
-            )
-        for result in finished:
-            turn = turns.pop(result.uid)
-            usage = result.usage
-            self._log.info(
-                "turn.finished",
-                agent=turn.agent,
-                turn=turn.id,
-                finish=result.finish_reason,
-                prefill_tokens=usage.prompt_tokens,
-                cached_tokens=usage.cached_tokens,
-                generated_tokens=usage.generated_tokens,
-                ttft_ms=round(result.ttft_s * 1e3, 1),
-                total_ms=round(result.total_s * 1e3, 1),
-                pool_used=engine.pool.used_blocks,
-            )
-            outbox.append(("done", turn, result))
-
-    def _snapshot(self, engine: BlockPoolBatchEngine, in_flight: int) -> SchedulerStatistics:
-        return SchedulerStatistics(
-            pool=engine.pool.statistics(),
-            engine=engine.statistics(),
-            turns_in_flight=in_flight,
-        )

@@ -205,6 +205,9 @@ class BlockPool:
         """Whether ``block`` is a live block of this pool."""
         return self._live.get(block.id) is block
 
+    def owns_id(self, block_id: int) -> bool:
+        return block_id in self._live
+
     def references(self, block: KVBlock) -> int:
         return self._refs.get(block.id, 0) if self.owns(block) else 0
 

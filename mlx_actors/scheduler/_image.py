@@ -1,0 +1,143 @@
+"""An agent's cache as host memory (numpy), for disk: taken from blocks and made back into
+blocks, on the engine thread. The files themselves are written and read elsewhere."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from ..errors import CacheReconstructionError
+from ._blocks import check_blocks
+from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
+
+#: Same-width unsigned types: a bit-exact host copy of any key/value dtype (bf16 too).
+_BITS = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """``"bfloat16"`` for ``mx.bfloat16``."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+_DTYPES = {dtype_name(t): t for t in (mx.float16, mx.bfloat16, mx.float32)}
+
+
+@attrs.frozen(kw_only=True)
+class BlockEntry:
+    """Where one block of the image is: its layer, positions, and, once saved, its file."""
+
+    layer: int
+    start: int
+    end: int
+    #: The block's key in ``CacheImage.arrays`` (its id in the pool that made the image).
+    key: int
+    #: Where the block is stored, if it is (set by the store that wrote or read it).
+    ref: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class CacheImage:
+    """An agent's cache outside the pool: the layout of its blocks, and the bits of those
+    that are not stored yet (``arrays``, by ``BlockEntry.key``; keys then values)."""
+
+    tokens: tuple[int, ...]
+    layers: tuple[tuple[BlockEntry, ...], ...]
+    dtype: str
+    arrays: Mapping[int, tuple[np.ndarray, np.ndarray]] = attrs.field(factory=dict)
+    #: Which snapshot of the agent's cache this is (the engine thread numbers them).
+    serial: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(layer) for layer in self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays the image carries."""
+        return sum(k.nbytes + v.nbytes for k, v in self.arrays.values())
+
+
+def take_image(
+    blocks: AgentBlocks, stored: Mapping[int, str], dtype: mx.Dtype, serial: int
+) -> CacheImage:
+    """Copy to host memory the blocks whose id is not in ``stored`` (id -> ref)."""
+    layers = []
+    pending: dict[int, tuple[mx.array, mx.array]] = {}
+    for layer_blocks in blocks.layers:
+        entries = []
+        for b in layer_blocks:
+            ref = stored.get(b.id)
+            if ref is None and b.id not in pending:
+                assert b.keys is not None and b.values is not None
+                pending[b.id] = (_as_bits(b.keys), _as_bits(b.values))
+            entries.append(BlockEntry(layer=b.layer, start=b.start, end=b.end, key=b.id, ref=ref))
+        layers.append(tuple(entries))
+    mx.eval(list(pending.values()))
+    arrays = {key: (np.array(k), np.array(v)) for key, (k, v) in pending.items()}
+    return CacheImage(
+        tokens=blocks.tokens,
+        layers=tuple(layers),
+        dtype=dtype_name(dtype),
+        arrays=arrays,
+        serial=serial,
+    )
+
+
+def make_blocks(pool: BlockPool, image: CacheImage, reservation: Reservation) -> AgentBlocks:
+    """Blocks of ``pool`` holding ``image`` (every array present), drawn from
+    ``reservation``; on error every block taken is freed again."""
+    spec = pool.spec
+    dtype = _DTYPES.get(image.dtype)
+    if len(image.layers) != spec.num_layers or dtype is None:
+        raise CacheReconstructionError(
+            f"a saved cache of {len(image.layers)} layers of {image.dtype} does not fit this "
+            f"model ({spec.num_layers} layers of {spec.layers[0].dtype})"
+        )
+    made: dict[int, KVBlock] = {}
+    layers = []
+    try:
+        for index, entries in enumerate(image.layers):
+            out = []
+            for e in entries:
+                block = made.get(e.key)
+                if block is None:
+                    keys, values = _array(image, e.key, 0, dtype), _array(image, e.key, 1, dtype)
+                    block = made[e.key] = reservation.allocate(index, e.start, keys, values)
+                out.append(block)
+            layers.append(tuple(out))
+        mx.eval([(b.keys, b.values) for b in made.values()])
+        blocks = AgentBlocks(tuple(layers), image.tokens)
+        check_blocks(pool, blocks)  # the blocks must fit the spec exactly
+    except BaseException:
+        pool.free(made.values())
+        raise
+    return blocks
+
+
+def _as_bits(a: mx.array) -> mx.array:
+    return a.view(_BITS[a.dtype.size])
+
+
+def _array(image: CacheImage, key: int, which: int, dtype: mx.Dtype) -> mx.array:
+    try:
+        bits = image.arrays[key][which]
+    except KeyError:
+        raise CacheReconstructionError(f"the saved cache lacks block {key}") from None
+    if bits.dtype.itemsize != dtype.size:
+        raise CacheReconstructionError(
+            f"block {key} holds {bits.dtype.itemsize}-byte values, the cache {dtype.size}-byte"
+        )
+    return mx.array(bits).view(dtype)
+
+
+def stored_ids(image: CacheImage, blocks: AgentBlocks) -> dict[int, str]:
+    """Ids of ``blocks`` (made from ``image``) mapped to where the image says they are."""
+    refs: dict[int, str] = {}
+    for entries, layer_blocks in zip(image.layers, blocks.layers, strict=True):
+        for e, b in zip(entries, layer_blocks, strict=True):
+            if e.ref is not None:
+                refs[b.id] = e.ref
+    return refs

@@ -1,0 +1,416 @@
+"""The engine thread: every command from the event loop, every step of the batch, and the
+agents' caches (resident as blocks, or moved to disk when the pool runs short)."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from ..errors import (
+    CacheReconstructionError,
+    EngineError,
+    MlxActorsError,
+    PoolExhaustedError,
+    RuntimeClosedError,
+)
+from ._blocks import max_trim
+from ._engine import BlockPoolBatchEngine, TokenEvent
+from ._image import CacheImage, make_blocks, stored_ids, take_image
+from ._pool import AgentBlocks
+from ._protocol import (
+    SHUTDOWN,
+    Adopt,
+    Cancel,
+    Commit,
+    Forget,
+    Query,
+    Release,
+    Save,
+    SchedulerStatistics,
+    Stored,
+    Submit,
+    Turn,
+)
+
+Outbox = list[tuple[Any, ...]]
+
+
+@attrs.define(eq=False)
+class _Entry:
+    """One agent's cache: resident as blocks, or on disk (``blocks is None``)."""
+
+    tokens: tuple[int, ...] = ()
+    blocks: AgentBlocks | None = None
+    last_used: float = 0.0
+    #: A turn of the agent is queued, running, or finished and not yet committed.
+    busy: bool = False
+    #: The serial of the agent's latest snapshot for the store.
+    snapshot: int = 0
+
+
+class EngineLoop:
+    """Runs on the engine thread until it reads the shutdown command.
+
+    Commands are applied in the order they were sent. An idle loop blocks on the
+    command queue; a busy one takes what arrived since the last step. Whatever the
+    event loop must hear (text, results, failures, caches to write) goes into one
+    outbox per step, handed over by ``deliver``.
+    """
+
+    def __init__(
+        self,
+        engine: BlockPoolBatchEngine,
+        commands: queue.SimpleQueue[object],
+        deliver: Callable[[Outbox], None],
+        *,
+        log: Any,
+        admission_window: float,
+        persistent_store: bool,
+    ) -> None:
+        self.engine = engine
+        self.pool = engine.pool
+        self._commands = commands
+        self._deliver = deliver
+        self._log = log
+        self._window = admission_window
+        self._persistent = persistent_store
+        self._dtype = engine.spec.layers[0].dtype
+        self.agents: dict[str, _Entry] = {}
+        #: Ids of live blocks whose data is already in the store, and where.
+        self._stored: dict[int, str] = {}
+        self.turns: dict[int, Turn] = {}
+        self.outbox: Outbox = []
+        self.evictions = self.restores = 0
+        self._serial = 0
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            idle = not engine.active
+            try:
+                command = self._commands.get(block=idle)
+            except queue.Empty:
+                command = None
+            if idle and self._window > 0:
+                # Turns sent together (a fan-out) trickle in over a few milliseconds;
+                # gathering them before the first step prefills them as one batch.
+                cap = time.perf_counter() + 10 * self._window
+                while command is not None:
+                    if command is SHUTDOWN:
+                        return
+                    self.apply(command)
+                    wait = min(self._window, cap - time.perf_counter())
+                    try:
+                        command = self._commands.get(timeout=wait) if wait > 0 else None
+                    except queue.Empty:
+                        command = None
+            while command is not None:
+                if command is SHUTDOWN:
+                    return
+                self.apply(command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if engine.active:
+                self._step()
+            if self.outbox:
+                self._deliver(self.outbox[:])
+                self.outbox.clear()
+
+    def apply(self, command: object) -> None:
+        if isinstance(command, Submit):
+            self._admit(command.turn, command.image)
+        elif isinstance(command, Cancel):
+            self._cancel(command.turn)
+        elif isinstance(command, Commit):
+            self._commit(command)
+        elif isinstance(command, Release):
+            self.pool.free(command.blocks.blocks())
+            self._entry(command.agent).busy = False
+        elif isinstance(command, Save):
+            self._save(command)
+        elif isinstance(command, Stored):
+            # Only the latest snapshot's files are sure to stay: a later save rewrites
+            # the blocks an earlier one wrote, and deletes the earlier chunks.
+            entry = self.agents.get(command.agent)
+            if self._persistent and entry is not None and entry.snapshot == command.serial:
+                for key, ref in command.refs.items():
+                    if self.pool.owns_id(key):
+                        self._stored[key] = ref
+        elif isinstance(command, Forget):
+            entry = self.agents.pop(command.agent, None)
+            if entry is not None and entry.blocks is not None:
+                self._free(entry.blocks)
+        elif isinstance(command, Adopt):
+            self.agents[command.agent] = _Entry(tokens=command.tokens)
+        elif isinstance(command, Query):
+            self.outbox.append(("stats", command.reply, self.snapshot()))
+
+    # -- admission, eviction, restore ------------------------------------------------------
+
+    def _entry(self, agent: str) -> _Entry:
+        entry = self.agents.get(agent)
+        if entry is None:
+            entry = self.agents[agent] = _Entry()
+        return entry
+
+    def _admit(self, turn: Turn, image: CacheImage | None) -> None:
+        entry = self._entry(turn.agent)
+        try:
+            if entry.blocks is None and entry.tokens:
+                if image is None:  # on disk: the event loop reads it, then sends it back
+                    self.outbox.append(("restore", turn, None))
+                    return
+                try:
+                    self._restore(turn.agent, entry, image)
+                except CacheReconstructionError as exc:
+                    # A cache that does not fit is never used: the agent starts over
+                    # from its conversation, and the event loop deletes the files.
+                    entry.tokens = ()
+                    self.outbox.append(("lost", turn, exc))
+                    return
+            uid = self._submit(turn, entry)
+        except MlxActorsError as exc:
+            self._log.info("turn.refused", agent=turn.agent, turn=turn.id, error=type(exc).__name__)
+            self.outbox.append(("failed", turn, exc))
+            return
+        except Exception as exc:
+            error = EngineError(f"the engine could not take the turn: {exc!r}")
+            self.outbox.append(("failed", turn, error))
+            return
+        entry.busy = True
+        turn.uid = uid
+        self.turns[uid] = turn
+
+    def _submit(self, turn: Turn, entry: _Entry) -> int:
+        tokens, blocks = turn.tokens, entry.blocks
+        common = 0
+        if blocks is not None:
+            # Keep at least one token to feed: never match the whole prompt.
+            common = min(blocks.common_prefix(tokens), len(tokens) - 1)
+            if blocks.num_tokens - common > max_trim(self.engine.spec, blocks):
+                common = 0  # a sliding window has moved past the rewind: prefill it all
+        cache = blocks if common > 0 else None
+        trim = blocks.num_tokens - common if cache is not None and blocks is not None else 0
+        on_token = None
+        if turn.on_text is not None:
+
+            def on_token(event: TokenEvent, turn: Turn = turn) -> None:
+                if event.text:
+                    self.outbox.append(("text", turn, event.text))
+
+        uid = self._with_room(
+            turn.agent,
+            lambda: self.engine.submit(
+                turn.agent,
+                tokens[common:],
+                cache,
+                trim=trim,
+                max_tokens=turn.max_tokens,
+                sampling=turn.sampling,
+                stop=turn.stop,
+                on_token=on_token,
+            ),
+        )
+        self._log.info(
+            "turn.admitted",
+            agent=turn.agent,
+            turn=turn.id,
+            batch=self.engine.active,
+            prefill_tokens=len(tokens) - common,
+            cached_tokens=common,
+            queued_ms=round((time.perf_counter() - turn.queued_at) * 1e3, 2),
+            pool_used=self.pool.used_blocks,
+            pool_free=self.pool.free_blocks,
+        )
+        return int(uid)
+
+    def _with_room(self, agent: str, attempt: Callable[[], Any]) -> Any:
+        """Run ``attempt``; while the pool is short, move the least recently used idle
+        agent's cache to disk and try again."""
+        while True:
+            try:
+                return attempt()
+            except PoolExhaustedError as exc:
+                if not self._evict_one(exclude=agent):
+                    raise PoolExhaustedError(
+                        f"{exc} Every cache left in the pool belongs to an agent with a turn "
+                        "in flight, so none could be moved to disk.",
+                        needed=exc.needed,
+                        free=exc.free,
+                    ) from None
+
+    def _evict_one(self, exclude: str) -> bool:
+        idle = [
+            (entry.last_used, name)
+            for name, entry in self.agents.items()
+            if entry.blocks is not None and not entry.busy and name != exclude
+        ]
+        if not idle:
+            return False
+        _, name = min(idle)
+        entry = self.agents[name]
+        assert entry.blocks is not None
+        started = time.perf_counter()
+        image = self._take_image(entry)
+        blocks = entry.blocks.num_blocks
+        self._free(entry.blocks)
+        entry.blocks = None
+        self.evictions += 1
+        self._log.info(
+            "blocks.evicted",
+            agent=name,
+            blocks=blocks,
+            bytes=image.nbytes,
+            ms=round((time.perf_counter() - started) * 1e3, 2),
+            pool_used=self.pool.used_blocks,
+        )
+        self.outbox.append(("evicted", name, image))
+        return True
+
+    def _restore(self, agent: str, entry: _Entry, image: CacheImage) -> None:
+        started = time.perf_counter()
+        if image.tokens != entry.tokens:
+            raise CacheReconstructionError(
+                f"the saved cache of agent {agent!r} holds {len(image.tokens)} tokens that "
+                f"are not the {len(entry.tokens)} its index names"
+            )
+        reservation = self._with_room(agent, lambda: self.pool.reserve(image.num_blocks))
+        try:
+            blocks = make_blocks(self.pool, image, reservation)
+        finally:
+            reservation.release()
+        entry.blocks = blocks
+        if self._persistent:
+            self._stored.update(stored_ids(image, blocks))
+        self.restores += 1
+        self._log.info(
+            "blocks.restored",
+            agent=agent,
+            blocks=blocks.num_blocks,
+            bytes=image.nbytes,
+            ms=round((time.perf_counter() - started) * 1e3, 2),
+            pool_used=self.pool.used_blocks,
+        )
+        self.outbox.append(("restored", agent, None))
+
+    def _take_image(self, entry: _Entry) -> CacheImage:
+        assert entry.blocks is not None
+        self._serial += 1
+        entry.snapshot = self._serial
+        return take_image(entry.blocks, self._stored, self._dtype, self._serial)
+
+    def _free(self, blocks: AgentBlocks) -> None:
+        self.pool.free(blocks.blocks())
+        for b in blocks.blocks():
+            if not self.pool.owns(b):
+                self._stored.pop(b.id, None)
+
+    # -- the rest of a turn's life ---------------------------------------------------------
+
+    def _cancel(self, turn: Turn) -> None:
+        if turn.uid is not None and self.turns.pop(turn.uid, None) is not None:
+            self.engine.cancel(turn.uid)
+            self._entry(turn.agent).busy = False
+            self._log.info(
+                "turn.cancelled", agent=turn.agent, turn=turn.id, pool_used=self.pool.used_blocks
+            )
+        self.outbox.append(("cancelled", turn, None))
+
+    def _commit(self, command: Commit) -> None:
+        entry = self._entry(command.agent)
+        if entry.blocks is not None:
+            self._free(entry.blocks)
+        entry.blocks, entry.tokens = command.blocks, command.blocks.tokens
+        entry.last_used, entry.busy = time.perf_counter(), False
+
+    def _save(self, command: Save) -> None:
+        entry = self.agents.get(command.agent)
+        image = None
+        if entry is not None and entry.blocks is not None:
+            image = self._take_image(entry)
+        self.outbox.append(("save", command, image))
+
+    def _step(self) -> None:
+        engine = self.engine
+        try:
+            finished = engine.step()
+        except EngineError as exc:
+            self._log.error("batch.failed", error=str(exc), turns=len(exc.uids))
+            for uid in exc.uids:
+                turn = self.turns.pop(uid)
+                self._entry(turn.agent).busy = False
+                self.outbox.append(("failed", turn, exc))
+            return
+        info = engine.last_step
+        if info is not None:
+            self._log.debug(
+                "batch.step",
+                batch=info.decode_batch,
+                prefill_tokens=info.prefill_tokens,
+                finished=info.finished,
+                ms=round(info.seconds * 1e3, 3),
+                pool_used=self.pool.used_blocks,
+            )
+        for result in finished:
+            turn = self.turns.pop(result.uid)
+            usage = result.usage
+            self._log.info(
+                "turn.finished",
+                agent=turn.agent,
+                turn=turn.id,
+                finish=result.finish_reason,
+                prefill_tokens=usage.prompt_tokens,
+                cached_tokens=usage.cached_tokens,
+                generated_tokens=usage.generated_tokens,
+                ttft_ms=round(result.ttft_s * 1e3, 1),
+                total_ms=round(result.total_s * 1e3, 1),
+                pool_used=self.pool.used_blocks,
+            )
+            self.outbox.append(("done", turn, result))
+
+    def snapshot(self) -> SchedulerStatistics:
+        resident = [e for e in self.agents.values() if e.blocks is not None]
+        return SchedulerStatistics(
+            pool=self.pool.statistics(),
+            engine=self.engine.statistics(),
+            turns_in_flight=len(self.turns),
+            resident_agents=len(resident),
+            resident_blocks=sum(e.blocks.num_blocks for e in resident if e.blocks is not None),
+            agents_on_disk=sum(1 for e in self.agents.values() if e.blocks is None and e.tokens),
+            evictions=self.evictions,
+            restores=self.restores,
+        )
+
+    def close(self, leftovers: list[object]) -> SchedulerStatistics:
+        """Fail every turn in flight, free every block, answer what is left unread."""
+        closed = RuntimeClosedError("the runtime shut down before the turn finished")
+        for turn in self.turns.values():
+            self.outbox.append(("failed", turn, closed))
+        self.turns.clear()
+        self.engine.close()
+        for entry in self.agents.values():
+            if entry.blocks is not None:
+                self._free(entry.blocks)
+                entry.blocks = None
+        for command in leftovers:
+            if isinstance(command, (Release, Commit)):
+                self.pool.free(command.blocks.blocks())
+        final = self.snapshot()
+        for command in leftovers:
+            if isinstance(command, Submit):
+                self.outbox.append(("failed", command.turn, closed))
+            elif isinstance(command, Cancel):
+                self.outbox.append(("cancelled", command.turn, None))
+            elif isinstance(command, Query):
+                self.outbox.append(("stats", command.reply, final))
+            elif isinstance(command, Save):
+                self.outbox.append(("save", command, None))
+        return final

@@ -1,0 +1,152 @@
+"""What the event loop and the engine thread say to each other: turns, commands, and the
+store that keeps caches on disk."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import anyio
+import attrs
+
+from ._engine import CompletedGeneration, EngineStatistics, Sampling
+from ._image import CacheImage
+from ._pool import AgentBlocks, PoolStatistics
+
+
+@attrs.define(eq=False)
+class Turn:
+    """One agent's request and where its answer goes.
+
+    ``tokens`` is the whole rendered conversation: the engine thread compares it with
+    the agent's cache and prefills only what the cache lacks. Made on the event loop;
+    the scheduler sets ``result`` or ``error`` (or asks for the cache to be read back
+    from disk) before it sets ``settled``.
+    """
+
+    agent: str
+    tokens: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...] = ()
+    #: Called on the event loop with each printable piece of text.
+    on_text: Callable[[str], None] | None = None
+    id: int = attrs.field(factory=itertools.count(1).__next__)
+    result: CompletedGeneration | None = None
+    error: BaseException | None = None
+    #: The agent's cache is on disk: read it and submit the turn again.
+    needs_restore: bool = False
+    settled: anyio.Event = attrs.field(factory=anyio.Event)
+    #: Set once a cancellation has reached the engine (or found nothing to cancel).
+    cancelled: anyio.Event = attrs.field(factory=anyio.Event)
+    uid: int | None = None
+    queued_at: float = attrs.field(factory=time.perf_counter)
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStatistics:
+    """Where the scheduler stands."""
+
+    pool: PoolStatistics
+    engine: EngineStatistics
+    #: Turns queued or running now.
+    turns_in_flight: int
+    #: Agents whose cache is in the pool, and the blocks they hold.
+    resident_agents: int
+    resident_blocks: int
+    #: Agents whose cache was moved to disk.
+    agents_on_disk: int
+    #: Caches moved to disk, and brought back, so far.
+    evictions: int
+    restores: int
+
+
+class CacheStore(Protocol):
+    """Where agents' caches go when they leave the pool (implemented by the runtime).
+
+    ``save`` writes what an image carries (blocks already stored are referred to, not
+    written again) and returns where each of its blocks now is, by block key; ``load``
+    gives back an image with every block's arrays. Calls for one agent run in order.
+    """
+
+    #: Whether a cache stays on disk after it is loaded (a state directory), or is
+    #: deleted once back in the pool (a swap area).
+    persistent: bool
+
+    async def save(self, agent: str, image: CacheImage) -> Mapping[int, str]: ...
+
+    async def load(self, agent: str) -> CacheImage: ...
+
+    async def drop(self, agent: str) -> None: ...
+
+    def where(self, agent: str) -> object:
+        """Where the agent's cache is (named in errors)."""
+        ...
+
+
+@attrs.frozen
+class Submit:
+    turn: Turn
+    image: CacheImage | None = None
+
+
+@attrs.frozen
+class Cancel:
+    turn: Turn
+
+
+@attrs.frozen
+class Commit:
+    """The agent took the turn's result: its blocks become the agent's cache."""
+
+    agent: str
+    blocks: AgentBlocks
+
+
+@attrs.frozen
+class Release:
+    """The agent dropped a finished turn (its caller went away): free its blocks."""
+
+    agent: str
+    blocks: AgentBlocks
+
+
+@attrs.frozen
+class Save:
+    """Copy the agent's unsaved blocks to host memory for the store."""
+
+    agent: str
+    #: Called with ``None`` once the cache is written, or with what stopped the write.
+    reply: Callable[[BaseException | None], None]
+
+
+@attrs.frozen
+class Stored:
+    """A snapshot of the agent's cache is written: where each of its blocks is."""
+
+    agent: str
+    refs: Mapping[int, str]
+    serial: int
+
+
+@attrs.frozen
+class Forget:
+    agent: str
+
+
+@attrs.frozen
+class Adopt:
+    """An agent brought back from a state directory: its cache is on disk."""
+
+    agent: str
+    tokens: tuple[int, ...]
+
+
+@attrs.frozen
+class Query:
+    reply: Callable[[SchedulerStatistics], None]
+
+
+SHUTDOWN = object()

@@ -1,0 +1,409 @@
+"""Agent memory beyond RAM and the process: LRU eviction to disk with exact restore, and a
+state directory that brings agents back warm in a new runtime."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio import wait_all_tasks_blocked
+
+from mlx_actors import Runtime
+from mlx_actors.errors import (
+    CorruptStateError,
+    ModelMismatchError,
+    PoolExhaustedError,
+    StateInUseError,
+)
+from mlx_actors.runtime import _disk
+from mlx_actors.testing import tiny_config, write_random_model
+
+from .conftest import Loaded, ReferenceChat, reference, render
+from .test_agents import FaultyRuntime, long_question
+
+pytestmark = pytest.mark.anyio
+
+
+def question(name: str, turn: int) -> str:
+    return f"Question {turn} for {name}: what next?"
+
+
+async def converse(rt: Runtime, names: list[str], turns: range, **options: Any) -> dict[Any, Any]:
+    """Each agent (spawned if new) asks its questions, in order, one agent after another."""
+    replies = {}
+    for name in names:
+        if name not in rt.agents:
+            await rt.spawn(name, system=f"You are {name}.", max_tokens=12, **options)
+    for turn in turns:
+        for name in names:
+            replies[name, turn] = await rt.agent(name).ask(question(name, turn))
+    return replies
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
+
+
+def no_pickle(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("pickle was used")
+
+
+async def test_evicted_caches_come_back_exactly(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("dump", "dumps", "load", "loads", "Pickler", "Unpickler"):
+        monkeypatch.setattr(pickle, name, no_pickle)
+    names = [f"agent{i}" for i in range(5)]
+    async with Runtime(tiny_dir, pool_blocks=400, log_level="off") as rt:
+        roomy = await converse(rt, names, range(3))
+        assert (await rt.stats()).evictions == 0
+    trace = tmp_path / "run.jsonl"
+    async with Runtime(tiny_dir, pool_blocks=14, log_level="off", trace=trace) as rt:
+        tight = await converse(rt, names, range(3))
+        stats = await rt.stats()
+        on_disk = sorted(a.name for a in rt.agents.values() if a.statistics().on_disk)
+        assert rt.cache_dir is not None
+        files = sorted(p.name for p in rt.cache_dir.iterdir())
+    assert {k: r.tokens for k, r in tight.items()} == {k: r.tokens for k, r in roomy.items()}
+    assert stats.evictions > 5 and stats.restores > 5
+    assert stats.pool.used_blocks == stats.resident_blocks  # nothing else holds blocks
+    assert stats.resident_agents + stats.agents_on_disk == len(names)
+    assert files == on_disk and len(on_disk) == stats.agents_on_disk > 0
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    for name in ("blocks.evicted", "blocks.restored"):
+        event = next(e for e in events if e["event"] == name)
+        assert {"agent", "blocks", "bytes", "ms"} <= set(event) and event["bytes"] > 0
+    # a restored cache is reused: the history is not prefilled again
+    last = [r for (name, turn), r in tight.items() if turn == 2]
+    assert all(r.usage.cached_tokens > r.usage.prompt_tokens for r in last)
+
+
+async def test_agents_with_a_turn_in_flight_are_never_evicted(tiny: Loaded, tiny_dir: Path) -> None:
+    # Nine blocks: a short cache takes three (one block per layer); a turn that may run
+    # to 300 tokens reserves six.
+    async with FaultyRuntime(tiny_dir, pool_blocks=9, log_level="off") as rt:
+        ann = await rt.spawn("ann", max_tokens=8)
+        bob = await rt.spawn("bob", max_tokens=8)
+        await bob.ask("Hi")
+        await ann.ask("Hi")
+        rt.faulty.delay = 0.005
+        async with ann.stream(long_question(tiny, ann.history), max_tokens=300) as running:
+            await anext(running)  # ann's turn is running: bob's cache made room for it
+            assert bob.statistics().on_disk
+            with pytest.raises(PoolExhaustedError, match="turn in flight") as info:
+                await bob.ask("May I?")  # only ann's cache is left, and she is busy
+            assert info.value.needed == 3
+            assert not ann.statistics().on_disk
+        # leaving the stream cancelled ann's turn: she is idle again, and evictable
+        rt.faulty.delay = 0
+        await bob.ask("May I now?", max_tokens=300)
+        assert ann.statistics().on_disk and not bob.statistics().on_disk
+        reply = await ann.ask("Back again?")  # her cache comes back for her turn
+        assert not ann.statistics().on_disk and bob.statistics().on_disk
+        chat = ReferenceChat(tiny.model, tiny.tokenizer.eos_token_ids)
+        for i in range(2):
+            expected = chat.turn(render(tiny.tokenizer, ann.history[: 2 * i + 1]), 8)
+        assert list(reply.tokens) == expected
+        assert reply.usage.cached_tokens > 0
+        stats = await rt.stats()
+        assert stats.restores >= 2 and stats.pool.used_blocks == stats.resident_blocks
+
+
+@pytest.mark.parametrize("persist", ["turn", "exit"])
+async def test_a_new_runtime_brings_agents_back_warm(
+    tiny_dir: Path, tmp_path: Path, persist: str
+) -> None:
+    names = ["alice", "bob"]
+    async with Runtime(tiny_dir, pool_blocks=400, log_level="off") as rt:
+        straight = await converse(rt, names, range(3), temperature=0.7, seed=5)
+    state = tmp_path / "state"
+    async with Runtime(
+        tiny_dir, pool_blocks=400, log_level="off", state_dir=state, persist=persist
+    ) as rt:
+        first = await converse(rt, names, range(2), temperature=0.7, seed=5)
+        histories = {name: rt.agent(name).history for name in names}
+    assert {k: r.tokens for k, r in first.items()} == {
+        k: r.tokens for k, r in straight.items() if k[1] < 2
+    }
+    async with Runtime(tiny_dir, pool_blocks=400, log_level="off", state_dir=state) as rt:
+        assert sorted(rt.agents) == names
+        assert {name: rt.agent(name).history for name in names} == histories
+        assert rt.agent("alice").options.temperature == 0.7
+        resumed = await converse(rt, names, range(2, 3))
+    for name in names:
+        reply = resumed[name, 2]
+        assert reply.tokens == straight[name, 2].tokens  # as if never interrupted
+        assert reply.usage == straight[name, 2].usage  # as warm: the same tokens prefilled
+        assert reply.usage.cached_tokens > reply.usage.prompt_tokens
+
+
+async def test_another_model_is_refused_and_the_directory_left_untouched(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann"], range(1))
+    before = snapshot(state)
+    other = write_random_model(tmp_path / "other", tiny_config(num_hidden_layers=3), seed=99)
+    with pytest.raises(ModelMismatchError, match="another state_dir"):
+        async with Runtime(other, pool_blocks=100, log_level="off", state_dir=state):
+            pass
+    assert snapshot(state) == before
+
+
+async def test_a_corrupt_cache_is_a_clear_error_then_the_agent_starts_over(
+    tiny: Loaded, tiny_dir: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann"], range(2))
+    (chunk,) = (state / "caches" / "ann").glob("chunk-*.safetensors")
+    chunk.write_bytes(chunk.read_bytes()[:-100])  # truncated
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = rt.agent("ann")
+        with pytest.raises(CorruptStateError, match=chunk.name):
+            await ann.ask(question("ann", 2))
+        reply = await ann.ask(question("ann", 2))  # the broken cache was dropped
+        prompt = render(tiny.tokenizer, ann.history[:-1])
+        assert list(reply.tokens) == reference(
+            tiny.model, prompt, 12, stop=tiny.tokenizer.eos_token_ids
+        )
+        assert reply.usage.cached_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda text: "{not json", "not valid JSON"),
+        (lambda text: text.replace('"ann"', '"../evil"'), "agent names must be"),
+        (lambda text: text.replace('"ann"', '"bob"'), "names the agent 'bob'"),
+        (lambda text: text.replace('"turns": 1', '"turns": "one"'), "agent record"),
+    ],
+)
+async def test_a_corrupt_agent_record_stops_the_start(
+    tiny_dir: Path, tmp_path: Path, change: Any, match: str
+) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann"], range(1))
+    record = state / "agents" / "ann.json"
+    record.write_text(change(record.read_text()))
+    before = snapshot(state)
+    with pytest.raises(CorruptStateError, match=r"ann\.json") as info:
+        async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state):
+            pass
+    assert match in str(info.value)
+    assert snapshot(state) == before and not (tmp_path / "evil").exists()
+
+
+async def test_a_cache_that_does_not_fit_is_an_error_then_the_agent_starts_over(
+    tiny: Loaded, tiny_dir: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann"], range(2))
+    # A well-formed index, checksum and all, that describes the blocks wrongly.
+    where = state / "caches" / "ann" / "index.json"
+    index = json.loads(where.read_text())
+    index["dtype"] = "float16" if index["dtype"] != "float16" else "float32"
+    del index["sha256"]
+    index["sha256"] = _disk._digest(index)
+    where.write_text(json.dumps(index))
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = rt.agent("ann")
+        with pytest.raises(CorruptStateError, match="does not fit") as info:
+            await ann.ask(question("ann", 2))
+        assert str(where) in str(info.value)
+        reply = await ann.ask(question("ann", 2))
+        assert reply.usage.cached_tokens == 0
+        prompt = render(tiny.tokenizer, ann.history[:-1])
+        assert list(reply.tokens) == reference(
+            tiny.model, prompt, 12, stop=tiny.tokenizer.eos_token_ids
+        )
+        stats = await rt.stats()
+        assert stats.pool.used_blocks == stats.resident_blocks
+    assert json.loads(where.read_text())["dtype"] != index["dtype"]  # saved afresh
+
+
+async def test_a_failed_eviction_write_lets_the_agent_start_over(
+    tiny: Loaded, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = threading.Event()
+
+    def failing_save(self: Any, agent: str, image: Any) -> None:
+        gate.wait(30)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_disk.DiskCacheStore, "_save", failing_save)
+    trace = tmp_path / "run.jsonl"
+    # Five blocks: one agent's cache (three) and not quite room for another turn.
+    async with Runtime(tiny_dir, pool_blocks=5, log_level="off", trace=trace) as rt:
+        ann = await rt.spawn("ann", max_tokens=4)
+        bob = await rt.spawn("bob", max_tokens=4)
+        await ann.ask("Hi")
+        await bob.ask("Hi")  # ann's cache goes to disk: the write hangs
+        assert ann.statistics().on_disk
+        result: list[Any] = []
+
+        async def ask_again() -> None:
+            result.append(await ann.ask("Again?"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask_again)
+            # ann's turn waits for that write (or, if the engine thread is slow to
+            # answer, finds it failed): either way the cache is gone, not corrupt.
+            await wait_all_tasks_blocked()
+            gate.set()
+        (reply,) = result
+        assert reply.usage.cached_tokens == 0 and not ann.statistics().on_disk
+        prompt = render(tiny.tokenizer, ann.history[:-1])
+        assert list(reply.tokens) == reference(
+            tiny.model, prompt, 4, stop=tiny.tokenizer.eos_token_ids
+        )
+        stats = await rt.stats()
+        assert stats.pool.used_blocks == stats.resident_blocks
+    events = [json.loads(line)["event"] for line in trace.read_text().splitlines()]
+    assert "blocks.write_failed" in events
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys, time, anyio
+    from mlx_actors import Runtime
+    from mlx_actors.runtime import _disk
+
+    model, state, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    real_replace, count = os.replace, [0]
+
+    def replace(src, dst):  # stop, for good, in the middle of the kill_at-th save
+        count[0] += 1
+        if count[0] == kill_at:
+            print("SAVING", dst, flush=True)
+            time.sleep(600)
+        real_replace(src, dst)
+
+    _disk.os.replace = replace
+
+    async def main():
+        async with Runtime(model, pool_blocks=100, log_level="off", state_dir=state) as rt:
+            ann = rt.agent("ann") if "ann" in rt.agents else await rt.spawn("ann", max_tokens=12)
+            for turn in range(20):
+                await ann.ask(f"Question {turn}?")
+                print("TURN", turn, flush=True)
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.parametrize("kill_at", [3, 5, 7, 8])
+async def test_a_save_killed_halfway_leaves_the_previous_state_loadable(
+    tiny: Loaded, tiny_dir: Path, tmp_path: Path, kill_at: int
+) -> None:
+    state = tmp_path / "state"
+    child = subprocess.Popen(  # noqa: ASYNC220 (its output is read on a worker thread)
+        [sys.executable, "-c", CHILD, str(tiny_dir), str(state), str(kill_at)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    with anyio.fail_after(120):
+        line = await anyio.to_thread.run_sync(child.stdout.readline)
+        while line and not line.startswith("SAVING"):
+            line = await anyio.to_thread.run_sync(child.stdout.readline)
+    assert line.startswith("SAVING"), "the child never reached the save"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert list(state.rglob("*.tmp")), "the kill should leave a half-written file"
+    # Writes go runtime.json, ann.json (spawn), then per turn ann.json, chunk, index.
+    had_cache = (state / "caches" / "ann" / "index.json").exists()
+    assert had_cache == (kill_at > 5)
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = rt.agent("ann")
+        reply = await ann.ask("Still there?")
+        prompt = render(tiny.tokenizer, ann.history[:-1])
+        assert list(reply.tokens) == reference(
+            tiny.model, prompt, 12, stop=tiny.tokenizer.eos_token_ids
+        )
+        # A cache whose index was written before the kill is complete, and it is used.
+        assert (reply.usage.cached_tokens > 0) == had_cache
+    assert not list(state.rglob("*.tmp"))
+    (cache,) = (state / "caches").iterdir()
+    listed = json.loads((cache / "index.json").read_text())["chunks"]
+    assert sorted(p.name for p in cache.iterdir()) == sorted([*listed, "index.json"])
+
+
+async def test_saves_racing_turns_leave_a_loadable_state(tiny_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = await rt.spawn("ann", max_tokens=6)
+        for turn in range(4):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ann.ask, question("ann", turn))
+                for _ in range(3):
+                    tg.start_soon(rt.flush)
+        await rt.flush()
+        history = ann.history
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = rt.agent("ann")
+        assert ann.history == history
+        reply = await ann.ask(question("ann", 4))
+        assert reply.usage.cached_tokens > reply.usage.prompt_tokens
+
+
+async def test_one_state_directory_one_runtime(tiny_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state):
+        with pytest.raises(StateInUseError, match="another runtime"):
+            async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state):
+                pass
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state):
+        pass  # free again once the first one has left
+
+
+async def test_two_hundred_agents_through_a_pool_for_twenty(tiny_dir: Path) -> None:
+    names = [f"agent{i:03d}" for i in range(200)]
+    rng = random.Random(3)
+    order = [(name, turn) for turn in range(3) for name in rng.sample(names, len(names))]
+
+    async def run(pool_blocks: int) -> tuple[dict[Any, Any], Any, list[str], list[str]]:
+        replies: dict[Any, Any] = {}
+        limiter = anyio.CapacityLimiter(8)
+        async with Runtime(tiny_dir, pool_blocks=pool_blocks, log_level="off") as rt:
+            for name in names:
+                await rt.spawn(name, max_tokens=6)
+            for turn in range(3):
+
+                async def ask(name: str, turn: int = turn) -> None:
+                    async with limiter:
+                        replies[name, turn] = (await rt.agent(name).ask(f"Turn {turn}?")).tokens
+
+                async with anyio.create_task_group() as tg:
+                    for name, t in order:
+                        if t == turn:
+                            tg.start_soon(ask, name)
+            await rt.flush()
+            stats = await rt.stats()
+            on_disk = sorted(a.name for a in rt.agents.values() if a.statistics().on_disk)
+            assert rt.cache_dir is not None
+            files = sorted(p.name for p in rt.cache_dir.iterdir()) if rt.cache_dir.exists() else []
+        return replies, stats, on_disk, files
+
+    roomy, _, _, _ = await run(4000)
+    tight, stats, on_disk, files = await run(100)  # each agent holds 3 blocks: about 20 fit
+    assert tight == roomy
+    assert 10 <= stats.resident_agents <= 33 and stats.evictions > 200
+    assert stats.pool.used_blocks == stats.resident_blocks
+    assert files == on_disk and len(on_disk) == stats.agents_on_disk == 200 - stats.resident_agents
