@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import platform
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -58,3 +60,22 @@ def device_name() -> str:
         info = mx.device_info() if hasattr(mx, "device_info") else {}
         return str(info.get("device_name", "gpu"))
     return "cpu"
+
+
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--shape``, ``--dtype`` and ``--model``: which model a benchmark runs."""
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--dtype", default="f32", choices=sorted(DTYPES))
+    parser.add_argument("--model", type=Path, help="a model directory instead of --shape")
+
+
+def run_facts(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What a benchmark's JSON starts with: the model and the machine it ran on."""
+    return {
+        "benchmark": name,
+        "shape": args.shape if args.model is None else str(args.model),
+        "dtype": args.dtype,
+        "device": device_name(),
+        "machine": platform.machine(),
+        "mlx": mx.__version__,
+    }

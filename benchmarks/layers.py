@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import mlx.core as mx
 import mlx_lm
 from _models import SHAPES, device_name, random_model
 from batching import prompts_for, through_actors, through_batch_generator
@@ -69,7 +70,14 @@ def engine_steps(model: Any, tokenizer: Any, prompts: list[list[int]], new: int)
 
 def on_a_thread(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     out: list[dict[str, Any]] = []
-    thread = threading.Thread(target=lambda: out.append(fn(*args)))
+
+    def run() -> None:
+        try:
+            out.append(fn(*args))
+        finally:
+            mx.clear_streams()  # else the thread's MLX state outlives it (mlx#4373)
+
+    thread = threading.Thread(target=run)
     thread.start()
     thread.join()
     return out[0]

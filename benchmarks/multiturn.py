@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
-from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import mlx_lm
-from _models import SHAPES, device_name, random_model
+from _models import model_arguments, random_model, run_facts
 
 from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine, ModelCacheSpec
 
@@ -68,9 +65,7 @@ def dialogue(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--dtype", default="f32", choices=["bf16", "f16", "f32"])
-    parser.add_argument("--model", type=Path, help="a model directory instead of --shape")
+    model_arguments(parser)
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode; medians reported")
@@ -110,12 +105,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "benchmark": "multiturn",
-                "shape": args.shape if args.model is None else str(args.model),
-                "dtype": args.dtype,
-                "device": device_name(),
-                "machine": platform.machine(),
-                "mlx": mx.__version__,
+                **run_facts("multiturn", args),
                 "new_tokens": args.new_tokens,
                 "repeats": args.repeats,
                 "identical_replies": True,
