@@ -10,10 +10,10 @@ copy of that directory and asks the agent one more question, either with its cac
 runs) or with the cache files deleted (``reprefill``: the turn runs the whole
 conversation through the model). Both give the same reply; the figures are the wall
 time of that ``ask`` and its time to first token, and from the trace the milliseconds
-spent reading the files (checksums included) and putting the blocks back. Each runtime
-first runs a short turn of another agent, so that compiling kernels on its new engine
-thread is not counted. The files were just written, so they are read from the page
-cache, not from a cold disk.
+spent reading the files (checksums included) and putting the blocks back. In each
+runtime a twin of the agent (the same conversation) asks first, the same way, so that
+compiling kernels for a new engine thread is not counted. The files were just written,
+so they are read from the page cache, not from a cold disk.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from mlx_lm.utils import load_tokenizer
 from mlx_actors import Runtime
 
 SYSTEM = "You are a careful reader."
-WARMUP = " ".join(["a few words to warm up with"] * 40)
+QUESTION = "And what comes next?"
 
 
 def filler(tokenizer: Any, target: int) -> str:
@@ -64,21 +64,21 @@ def median(runs: dict[str, list[dict[str, Any]]], mode: str, key: str) -> float:
 
 async def build(model: Path, state: Path, text: str) -> int:
     async with Runtime(model, state_dir=state, persist="exit", log_level="off") as rt:
-        agent = await rt.spawn("reader", system=SYSTEM)
-        reply = await agent.ask(text, max_tokens=8)
+        for name in ("twin", "reader"):  # the same conversation twice
+            agent = await rt.spawn(name, system=SYSTEM)
+            reply = await agent.ask(text, max_tokens=8)
         return reply.usage.prompt_tokens + reply.usage.cached_tokens + len(reply.tokens)
 
 
 async def answer(model: Path, state: Path, new_tokens: int) -> dict[str, Any]:
     trace = state.parent / f"{state.name}.jsonl"
     async with Runtime(model, state_dir=state, persist="exit", log_level="off", trace=trace) as rt:
-        # A first turn on a new engine thread compiles kernels: keep that out of the
-        # figures, as in a runtime that has been running a while.
-        warm = await rt.spawn("warmup")
-        await warm.ask(WARMUP, max_tokens=4)
+        # The first turns on a new engine thread compile kernels for their shapes: the
+        # twin's turn, the same as the reader's, keeps that out of the figures.
+        await rt.agent("twin").ask(QUESTION, max_tokens=new_tokens)
         agent = rt.agent("reader")
         started = time.perf_counter()
-        reply = await agent.ask("And what comes next?", max_tokens=new_tokens)
+        reply = await agent.ask(QUESTION, max_tokens=new_tokens)
         wall = time.perf_counter() - started
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     ms = {e["event"]: e.get("ms", 0.0) for e in events if e["event"].startswith("blocks.")}
@@ -105,7 +105,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for target in args.histories:
             base = root / f"h{target}"
             history = await build(model, base, filler(tokenizer, target))
-            size = sum(f.stat().st_size for f in (base / "caches").rglob("*") if f.is_file())
+            size = sum(f.stat().st_size for f in (base / "caches" / "reader").iterdir())
             runs: dict[str, list[dict[str, Any]]] = {"restore": [], "reprefill": []}
             for repeat in range(args.repeats):
                 order = ["restore", "reprefill"] if repeat % 2 == 0 else ["reprefill", "restore"]
