@@ -407,3 +407,37 @@ async def test_two_hundred_agents_through_a_pool_for_twenty(tiny_dir: Path) -> N
     assert 10 <= stats.resident_agents <= 33 and stats.evictions > 200
     assert stats.pool.used_blocks == stats.resident_blocks
     assert files == on_disk and len(on_disk) == stats.agents_on_disk == 200 - stats.resident_agents
+
+
+async def test_a_runtime_cancelled_from_outside_still_saves_and_exits(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    with anyio.fail_after(60):
+        with anyio.CancelScope() as scope:
+            async with Runtime(
+                tiny_dir, pool_blocks=100, log_level="off", state_dir=state, persist="exit"
+            ) as rt:
+                ann = await rt.spawn("ann", max_tokens=6)
+                await ann.ask("Hi")
+                scope.cancel()
+                await anyio.sleep_forever()
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = rt.agent("ann")
+        assert ann.statistics().turns == 1
+        reply = await ann.ask("Still there?")
+        assert reply.usage.cached_tokens > 0  # its cache was kept too
+
+
+async def test_a_closed_agent_leaves_no_files(tiny_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = await rt.spawn("ann", max_tokens=6)
+        await ann.ask("Hi")
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(rt.flush)
+            tg.start_soon(ann.close)
+        await rt.flush()
+    assert list((state / "agents").iterdir()) == []
+    assert not (state / "caches").exists() or list((state / "caches").iterdir()) == []

@@ -52,7 +52,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 #: Checksums of large files are taken over pieces of this size, on several threads.
 PIECE = 4 << 20
-_hashing: concurrent.futures.ThreadPoolExecutor | None = None
+_hashing = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), "mlx-actors-sha256")
 
 
 def _sha256_digest(piece: memoryview) -> bytes:
@@ -62,15 +62,11 @@ def _sha256_digest(piece: memoryview) -> bytes:
 def piecewise_sha256(data: bytes) -> str:
     """The sha256 of the sha256 digests of ``data``'s 4 MiB pieces: as strong a check as
     one sha256 over the data, but computed on several cores (hashlib releases the GIL)."""
-    global _hashing
     view = memoryview(data)
     pieces = [view[i : i + PIECE] for i in range(0, len(view), PIECE)] or [view]
     if len(pieces) == 1:
         digests = [_sha256_digest(pieces[0])]
     else:
-        if _hashing is None:
-            workers = min(8, os.cpu_count() or 1)
-            _hashing = concurrent.futures.ThreadPoolExecutor(workers, "mlx-actors-sha256")
         digests = list(_hashing.map(_sha256_digest, pieces))
     return hashlib.sha256(b"".join(digests)).hexdigest()
 

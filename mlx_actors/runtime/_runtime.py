@@ -157,6 +157,10 @@ class Runtime:
         )
         self._agents: dict[str, Agent] = {}
         self._keeping: dict[str, anyio.Lock] = {}
+        #: Names of closed agents, whose files must not be written again.
+        self._dropped: set[str] = set()
+        #: Every agent not closed by its user, live or stopped: what leaving keeps.
+        self._kept: dict[str, Agent] = {}
         self._tg: TaskGroup | None = None
         self._closed = False
         self._swap: Path | None = None
@@ -262,14 +266,16 @@ class Runtime:
         self._closed = True
         agents = list(self._agents.values())
         error = RuntimeClosedError("the runtime shut down before the turn finished")
-        async with anyio.create_task_group() as tg:
-            for agent in agents:
-                tg.start_soon(agent._stop, error)
-        if self._state is not None:  # keep every agent as its last turn left it
+        try:
             async with anyio.create_task_group() as tg:
                 for agent in agents:
-                    tg.start_soon(self._keep_or_log, agent)
-        self._scheduler.shutdown()
+                    tg.start_soon(agent._stop, error)
+            if self._state is not None:  # keep every agent as its last turn left it
+                async with anyio.create_task_group() as tg:
+                    for agent in self._kept.values():  # those stopped by a cancel too
+                        tg.start_soon(self._keep_or_log, agent)
+        finally:
+            self._scheduler.shutdown()
         self.log.info("runtime.stopped")
 
     async def flush(self) -> None:
@@ -287,7 +293,8 @@ class Runtime:
         """Save the agent's record, then its cache; one save of an agent at a time."""
         assert self._state is not None
         async with self._keeping.setdefault(agent.name, anyio.Lock()):
-            await self._write_agent(agent)
+            if agent.name not in self._dropped:
+                await self._write_agent(agent)
 
     async def _keep_or_log(self, agent: Agent) -> None:
         try:
@@ -318,8 +325,11 @@ class Runtime:
         """The agents' keeper: a closed agent is forgotten by the state directory."""
         if self._state is not None:
             async with self._keeping.setdefault(agent.name, anyio.Lock()):
+                self._dropped.add(agent.name)
+                self._kept.pop(agent.name, None)
+                # Again, under the lock: a save that was under way may have written it.
+                await self._scheduler.forget(agent.name, drop=True)
                 await self._state.delete(agent.name)
-            self._keeping.pop(agent.name, None)
 
     # -- agents ---------------------------------------------------------------------------
 
@@ -362,6 +372,7 @@ class Runtime:
         options = TurnOptions(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
         ).override(stop=stop)
+        self._dropped.discard(name)
         agent = await self._start_agent(
             name, system=system or None, options=options, mailbox_size=mailbox_size
         )
@@ -381,7 +392,7 @@ class Runtime:
             keeper=self,
             **kwargs,
         )
-        self._agents[name] = agent
+        self._agents[name] = self._kept[name] = agent
         await self._tg.start(agent.serve)
         return agent
 

@@ -107,19 +107,23 @@ class Scheduler:
             except BaseException as exc:
                 failure.append(exc)
             finally:
-                # MLX keeps per-thread streams and compiled graphs; left to the thread's
-                # exit they can be destroyed after the interpreter has finalised, which
-                # aborts the process (ml-explore/mlx#4327 and #4373).
-                mx.clear_streams()
-                anyio.from_thread.run_sync(finished.set, token=self._token)
+                try:
+                    # MLX keeps per-thread streams and compiled graphs; left to the
+                    # thread's exit they can be destroyed after the interpreter has
+                    # finalised, which aborts the process (ml-explore/mlx#4327, #4373).
+                    mx.clear_streams()
+                finally:
+                    anyio.from_thread.run_sync(finished.set, token=self._token)
 
         # A thread of our own rather than a pooled worker: it must end, streams
         # cleared, with the runtime, and no later MLX work may land on it.
         thread = threading.Thread(target=main, name="mlx-actors-engine")
-        async with anyio.create_task_group() as background:
-            self._background = background
-            thread.start()
-            with anyio.CancelScope(shield=True):  # the thread stops only on shutdown
+        # Shielded: the thread and the disk work it asks for (saves that callers wait
+        # on, shielded, while the runtime closes) stop only on shutdown, not on a cancel.
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as background:
+                self._background = background
+                thread.start()
                 await finished.wait()
                 await anyio.to_thread.run_sync(thread.join)
             if failure:
@@ -326,51 +330,58 @@ class Scheduler:
 
     def _deliver(self, items: Outbox) -> None:
         """Runs on the event loop: hand one step's results to their turns, in order."""
-        for kind, target, value in items:
-            if kind == "text":
-                if target.on_text is not None and not target.settled.is_set():
-                    target.on_text(value)
-            elif kind == "done":
-                target.result = value
-                target.settled.set()
-            elif kind == "failed":
-                self._fail(target, value)
-            elif kind == "cancelled":
-                target.cancelled.set()
-            elif kind == "restore":
-                target.needs_restore = True
-                target.settled.set()
-            elif kind == "evicted":
-                self._on_disk.add(target)
-                self._disk(target, functools.partial(self._write_evicted, target, value))
-            elif kind == "lost":
-                agent = target.agent
-                self._log.error("blocks.lost", agent=agent, error=str(value))
-                self._on_disk.discard(agent)
-                self._disk(agent, functools.partial(self._store.drop, agent))
-                self._fail(
-                    target,
-                    CorruptStateError(
-                        f"the saved cache of agent {agent!r} ({self._store.where(agent)}) "
-                        f"does not fit the model, so it was deleted and the agent's next "
-                        f"turn starts from its conversation: {value}"
-                    ),
-                )
-            elif kind == "restored":
-                self._on_disk.discard(target)
-                if not self._store.persistent:  # a swap area keeps only what is out
-                    self._disk(target, functools.partial(self._store.drop, target))
-            elif kind == "save":
-                self._disk(target.agent, functools.partial(self._save_for, target, value))
-            elif kind == "stats":
-                target(value)  # a Query's reply callback
+        for item in items:
+            try:
+                self._deliver_one(*item)
+            except Exception as exc:  # one broken reply must not stop the others
+                self._log.error("scheduler.delivery_failed", kind=item[0], error=repr(exc))
+
+    def _deliver_one(self, kind: str, target: Any, value: Any) -> None:
+        if kind == "text":
+            if target.on_text is not None and not target.settled.is_set():
+                target.on_text(value)
+        elif kind == "done":
+            target.result = value
+            target.settled.set()
+        elif kind == "failed":
+            self._fail(target, value)
+        elif kind == "cancelled":
+            target.cancelled.set()
+        elif kind == "restore":
+            target.needs_restore = True
+            target.settled.set()
+        elif kind == "evicted":
+            self._on_disk.add(target)
+            self._disk(target, functools.partial(self._write_evicted, target, value))
+        elif kind == "lost":
+            agent = target.agent
+            self._log.error("blocks.lost", agent=agent, error=str(value))
+            self._on_disk.discard(agent)
+            self._disk(agent, functools.partial(self._store.drop, agent))
+            self._fail(
+                target,
+                CorruptStateError(
+                    f"the saved cache of agent {agent!r} ({self._store.where(agent)}) "
+                    f"does not fit the model, so it was deleted and the agent's next "
+                    f"turn starts from its conversation: {value}"
+                ),
+            )
+        elif kind == "restored":
+            self._on_disk.discard(target)
+            if not self._store.persistent:  # a swap area keeps only what is out
+                self._disk(target, functools.partial(self._store.drop, target))
+        elif kind == "save":
+            self._disk(target.agent, functools.partial(self._save_for, target, value))
+        elif kind == "stats":
+            target(value)  # a Query's reply callback
 
     async def _save_for(self, command: Save, image: CacheImage | None) -> None:
         try:
             if image is not None:
                 await self._write(command.agent, image)
-        except Exception as exc:
+        except BaseException as exc:
             command.reply(exc)
+            raise
         else:
             command.reply(None)
 
@@ -402,26 +413,25 @@ class Scheduler:
         return engine
 
     def _thread_main(self) -> None:
+        def deliver(items: Outbox) -> None:
+            anyio.from_thread.run_sync(self._deliver, items, token=self._token)
+
         try:
             engine = self._start_engine()
+            loop = EngineLoop(
+                engine,
+                self._commands,
+                deliver,
+                log=self._log,
+                admission_window=self._admission_window,
+                persistent_store=self._store.persistent,
+            )
         except BaseException:
             with self._lock:
                 self._stopped = True
             raise
-
-        def deliver(items: Outbox) -> None:
-            anyio.from_thread.run_sync(self._deliver, items, token=self._token)
-
-        loop = EngineLoop(
-            engine,
-            self._commands,
-            deliver,
-            log=self._log,
-            admission_window=self._admission_window,
-            persistent_store=self._store.persistent,
-        )
-        anyio.from_thread.run_sync(self._started.set, token=self._token)
         try:
+            anyio.from_thread.run_sync(self._started.set, token=self._token)
             loop.run()
         finally:
             with self._lock:

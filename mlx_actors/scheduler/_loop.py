@@ -121,8 +121,8 @@ class EngineLoop:
             if engine.active:
                 self._step()
             if self.outbox:
-                self._deliver(self.outbox[:])
-                self.outbox.clear()
+                items, self.outbox = self.outbox, []
+                self._deliver(items)
 
     def apply(self, command: object) -> None:
         if isinstance(command, Submit):
