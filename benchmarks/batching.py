@@ -120,14 +120,20 @@ def median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
     return chosen
 
 
+def raw_generator(model: Any, tokenizer: Any, batch: int) -> BatchGenerator:
+    """mlx-lm's BatchGenerator as the engine builds it: stops at end of turn, room for
+    ``batch`` sequences at once."""
+    return BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
+        completion_batch_size=max(32, batch),
+    )
+
+
 def through_batch_generator(
     model: Any, tokenizer: Any, prompts: list[list[int]], new: int
 ) -> dict[str, Any]:
-    gen = BatchGenerator(
-        model,
-        stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
-        completion_batch_size=max(32, len(prompts)),
-    )
+    gen = raw_generator(model, tokenizer, len(prompts))
     start = time.perf_counter()
     uids = gen.insert(prompts, max_tokens=[new] * len(prompts))
     outputs: dict[int, list[int]] = {u: [] for u in uids}

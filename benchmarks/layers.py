@@ -21,19 +21,14 @@ import anyio
 import mlx.core as mx
 import mlx_lm
 from _models import SHAPES, device_name, random_model
-from batching import prompts_for, through_actors, through_batch_generator
-from mlx_lm.generate import BatchGenerator
+from batching import prompts_for, raw_generator, through_actors, through_batch_generator
 
 from mlx_actors import Runtime
 from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine, ModelCacheSpec
 
 
 def raw_steps(model: Any, tokenizer: Any, prompts: list[list[int]], new: int) -> dict[str, Any]:
-    gen = BatchGenerator(
-        model,
-        stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
-        completion_batch_size=max(32, len(prompts)),
-    )
+    gen = raw_generator(model, tokenizer, len(prompts))
     start = time.perf_counter()
     uids = gen.insert(prompts, max_tokens=[new] * len(prompts))
     live, steps = set(uids), []
