@@ -27,7 +27,7 @@ def test_round_trip_is_exact(tiny: Loaded, n: int) -> None:
     pool = BlockPool(tiny.spec, total_blocks=100)
     cache, tokens = filled_cache(tiny, n)
     reservation = pool.reserve(blocks_needed(tiny.spec, n, 0))
-    blocks = from_cache(pool, cache, tokens, reservation, None, 0)
+    blocks = from_cache(pool, cache, tokens, reservation)
     reservation.release()
     assert blocks.tokens == tuple(tokens)
     for layer in blocks.layers:
@@ -43,7 +43,7 @@ def test_round_trip_is_exact(tiny: Loaded, n: int) -> None:
             assert mx.array_equal(copy.values, original.values[..., :keep, :])
     # and back again: the rebuilt cache makes the same blocks
     again = pool.reserve(blocks_needed(tiny.spec, n, 0))
-    second = from_cache(pool, to_cache(tiny.spec, blocks, n), tokens, again, None, 0)
+    second = from_cache(pool, to_cache(tiny.spec, blocks, n), tokens, again)
     again.release()
     for a, b in zip(blocks.blocks(), second.blocks()):
         assert (a.layer, a.start, a.end) == (b.layer, b.start, b.end)
@@ -58,6 +58,6 @@ def test_a_failed_cut_returns_every_block(tiny: Loaded) -> None:
     cache, tokens = filled_cache(tiny, 600)
     reservation = pool.reserve(blocks_needed(tiny.spec, 600, 0))
     with pytest.raises(Exception, match="expected 601"):
-        from_cache(pool, cache, [*tokens, 1], reservation, None, 0)
+        from_cache(pool, cache, [*tokens, 1], reservation)
     reservation.release()
     assert pool.statistics().used_blocks == 0

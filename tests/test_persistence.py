@@ -96,7 +96,7 @@ async def test_agents_with_a_turn_in_flight_are_never_evicted(tiny: Loaded, tiny
     async with FaultyRuntime(tiny_dir, pool_blocks=9, log_level="off") as rt:
         ann = await rt.spawn("ann", max_tokens=8)
         bob = await rt.spawn("bob", max_tokens=8)
-        await bob.ask("Hi")
+        await bob.ask("Hello")  # not ann's words: identical caches would be one
         await ann.ask("Hi")
         rt.faulty.delay = 0.005
         async with ann.stream(long_question(tiny, ann.history), max_tokens=300) as running:
@@ -108,7 +108,7 @@ async def test_agents_with_a_turn_in_flight_are_never_evicted(tiny: Loaded, tiny
             assert not ann.statistics().on_disk
         # leaving the stream cancelled ann's turn: she is idle again, and evictable
         rt.faulty.delay = 0
-        await bob.ask("May I now?", max_tokens=300)
+        await bob.ask(long_question(tiny, bob.history, tokens=300), max_tokens=300)
         assert ann.statistics().on_disk and not bob.statistics().on_disk
         reply = await ann.ask("Back again?")  # her cache comes back for her turn
         assert not ann.statistics().on_disk and bob.statistics().on_disk
@@ -253,7 +253,7 @@ async def test_a_failed_eviction_write_lets_the_agent_start_over(
         ann = await rt.spawn("ann", max_tokens=4)
         bob = await rt.spawn("bob", max_tokens=4)
         await ann.ask("Hi")
-        await bob.ask("Hi")  # ann's cache goes to disk: the write hangs
+        await bob.ask("Hello")  # ann's cache goes to disk: the write hangs
         assert ann.statistics().on_disk
         result: list[Any] = []
 
@@ -382,8 +382,8 @@ async def test_two_hundred_agents_through_a_pool_for_twenty(tiny_dir: Path) -> N
         replies: dict[Any, Any] = {}
         limiter = anyio.CapacityLimiter(8)
         async with Runtime(tiny_dir, pool_blocks=pool_blocks, log_level="off") as rt:
-            for name in names:
-                await rt.spawn(name, max_tokens=6)
+            for name in names:  # a system prompt each: identical agents would share blocks
+                await rt.spawn(name, system=f"You are {name}.", max_tokens=6)
             for turn in range(3):
 
                 async def ask(name: str, turn: int = turn) -> None:

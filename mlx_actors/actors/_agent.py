@@ -84,7 +84,8 @@ class AgentStatistics:
 
 
 class Keeper(Protocol):
-    """How the runtime keeps an agent beyond its process (a state directory)."""
+    """How the runtime keeps an agent beyond its process (a state directory), and makes
+    new agents from it."""
 
     async def changed(self, agent: Agent) -> None:
         """After a turn or a reset: save what changed."""
@@ -92,15 +93,26 @@ class Keeper(Protocol):
     async def closed(self, agent: Agent) -> None:
         """After ``close()``: forget the agent."""
 
+    def check_new_name(self, name: str) -> None:
+        """Raise :class:`InvalidRequestError` unless a new agent may take ``name``."""
+
+    async def fork(
+        self, parent: Agent, name: str, options: TurnOptions, mailbox_size: int | None
+    ) -> Agent:
+        """Start an agent with ``parent``'s conversation and cache."""
+        ...
+
 
 @attrs.define(eq=False)
 class Envelope:
     """A request in an agent's mailbox, and the caller's handle on its outcome."""
 
     agent: Agent
-    kind: Literal["ask", "reset"]
+    kind: Literal["ask", "reset", "fork"]
     text: str = ""
     options: TurnOptions | None = None
+    mailbox_size: int | None = None
+    forked: Agent | None = None
     timeout: float | None = None
     pieces: MemoryObjectReceiveStream[str] | None = None
     push: MemoryObjectSendStream[str] | None = None
@@ -311,6 +323,49 @@ class Agent:
         await envelope.send()
         await envelope.outcome()
 
+    async def fork(
+        self,
+        name: str,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        mailbox_size: int | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (like ask's: covers the mailbox)
+    ) -> Agent:
+        """A new agent called ``name`` with this agent's system prompt, conversation and
+        KV cache, after the turns already in the mailbox. The cache is shared by
+        reference: nothing is copied or prefilled, and both agents then go their own way
+        (a turn of either never changes what the other reads).
+
+        Keyword arguments override this agent's defaults for the new one. This agent is
+        not changed. A fork is the way to branch: several critics of one draft, what-if
+        continuations, a search over replies.
+
+        Raises:
+            InvalidRequestError: a bad or taken name, bad settings.
+            AgentClosedError: this agent was closed.
+            RuntimeClosedError: the runtime shut down first.
+        """
+        if self._keeper is None:
+            raise InvalidRequestError("this agent cannot be forked: it has no runtime")
+        check_name(name)
+        self._keeper.check_new_name(name)
+        if mailbox_size is not None and (
+            isinstance(mailbox_size, bool) or not isinstance(mailbox_size, int) or mailbox_size <= 0
+        ):
+            raise InvalidRequestError(f"mailbox_size must be a positive int, got {mailbox_size!r}")
+        envelope = self._envelope(
+            name, max_tokens, timeout, temperature, top_p, seed, stop, kind="fork"
+        )
+        envelope.mailbox_size = mailbox_size
+        await envelope.send()
+        await envelope.outcome()
+        assert envelope.forked is not None
+        return envelope.forked
+
     async def close(self) -> None:
         """Stop and forget the agent: the running turn is cancelled, queued ones fail
         with :class:`AgentClosedError`, its cache blocks go back to the pool, and what a
@@ -332,6 +387,7 @@ class Agent:
         top_p: float | None,
         seed: int | None,
         stop: str | Sequence[str] | None,
+        kind: Literal["ask", "fork"] = "ask",
     ) -> Envelope:
         if self._closing is not None:
             raise self._closed_error()
@@ -344,7 +400,7 @@ class Agent:
         options = self.options.override(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop
         )
-        return Envelope(agent=self, kind="ask", text=text, options=options, timeout=timeout)
+        return Envelope(agent=self, kind=kind, text=text, options=options, timeout=timeout)
 
     def _closed_error(self) -> MlxActorsError:
         return self._closing or AgentClosedError(f"agent {self.name!r} is closed")
@@ -389,6 +445,8 @@ class Agent:
                 try:
                     if envelope.kind == "reset":
                         await self._reset()
+                    elif envelope.kind == "fork":
+                        await self._fork(envelope)
                     else:
                         await self._turn(envelope)
                     envelope.completed = True
@@ -435,6 +493,17 @@ class Agent:
             ttft_s=result.submitted_at + result.ttft_s - started,
             total_s=time.perf_counter() - started,
         )
+
+    async def _fork(self, envelope: Envelope) -> None:
+        assert self._keeper is not None and envelope.options is not None
+        with anyio.CancelScope(shield=True):  # short, and must not stop half-way
+            child = await self._keeper.fork(
+                self, envelope.text, envelope.options, envelope.mailbox_size
+            )
+            if envelope.cancelled:  # the caller went away: leave nothing behind
+                await child.close()
+                return
+        envelope.forked = child
 
     async def _reset(self) -> None:
         self._messages, self._cached_tokens, self._cached_blocks = [], 0, 0

@@ -208,6 +208,9 @@ class DiskCacheStore:
     async def drop(self, agent: str) -> None:
         await anyio.to_thread.run_sync(shutil.rmtree, self.root / agent, True)
 
+    async def copy(self, agent: str, other: str) -> None:
+        await anyio.to_thread.run_sync(self._copy, agent, other)
+
     def _index(self, agent: str) -> dict[str, Any] | None:
         path = self.root / agent / "index.json"
         if not path.is_file():
@@ -261,6 +264,7 @@ class DiskCacheStore:
             "agent": agent,
             "dtype": image.dtype,
             "tokens": list(image.tokens),
+            "anchors": list(image.anchors),
             "layers": layers,
             "chunks": {name: chunks[name] for name in sorted(used)},
         }
@@ -270,6 +274,24 @@ class DiskCacheStore:
             if path.name != "index.json" and path.name not in used:
                 path.unlink(missing_ok=True)
         return refs
+
+    def _copy(self, agent: str, other: str) -> None:
+        """``other``'s cache becomes ``agent``'s: the chunks linked (they never change once
+        written), or copied where links are not possible; then the index."""
+        index = self._index(agent)
+        if index is None:
+            raise CorruptStateError(f"{self.where(agent)} is missing")
+        source, target = self.root / agent, self.root / other
+        shutil.rmtree(target, ignore_errors=True)
+        make_dir(target)
+        for name in index["chunks"]:
+            try:
+                os.link(source / name, target / name)
+            except OSError:
+                shutil.copyfile(source / name, target / name)
+        index["agent"] = other
+        index["sha256"] = _digest(index)
+        write_json(target / "index.json", index)
 
     def _load(self, agent: str) -> CacheImage:
         index = self._index(agent)
@@ -301,9 +323,12 @@ class DiskCacheStore:
                     )
                 layers.append(tuple(entries))
             tokens = tuple(int(t) for t in index["tokens"])
+            anchors = tuple(int(a) for a in index.get("anchors", ()))
             dtype = str(index["dtype"])
         except OSError as exc:
             raise CorruptStateError(f"a chunk listed by {where} cannot be read: {exc}") from exc
         except (AttributeError, KeyError, ValueError, TypeError) as exc:
             raise CorruptStateError(f"{where} does not describe its chunks: {exc!r}") from exc
-        return CacheImage(tokens=tokens, layers=tuple(layers), dtype=dtype, arrays=arrays)
+        return CacheImage(
+            tokens=tokens, layers=tuple(layers), dtype=dtype, arrays=arrays, anchors=anchors
+        )

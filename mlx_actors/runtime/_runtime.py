@@ -45,9 +45,17 @@ class RuntimeStatistics:
     turns_in_flight: int
     #: Live agents.
     agents: int
-    #: Agents whose cache is in the pool, and the blocks they hold.
+    #: Agents whose cache is in the pool.
     resident_agents: int
+    #: Distinct blocks those agents hold (a block several agents share counts once).
     resident_blocks: int
+    #: Of those, blocks held by more than one agent.
+    shared_blocks: int
+    #: Bytes that sharing saves: what the agents' blocks would take if none were
+    #: shared, less what they take.
+    shared_bytes: int
+    #: History tokens taken from blocks other agents' turns computed.
+    shared_tokens: int
     #: Agents whose cache was moved to disk to make room.
     agents_on_disk: int
     #: Caches moved to disk, and brought back, so far.
@@ -90,6 +98,10 @@ class Runtime:
             turns, ``"debug"`` every step, ``"off"`` nothing).
         dequantize: run the default model (or a GGUF file) with float32 weights
             instead of 4-bit ones (faster on CPUs, four times the memory).
+        share_prefixes: reuse cache blocks across agents: a prefix any agent computed
+            (a shared system prompt or brief, a forked conversation) is prefilled and
+            held once (``False``: each agent reuses only its own history and its
+            forks').
         state_dir: keep agents there (conversations as JSON, caches as safetensors), so
             that a later ``Runtime`` on the same directory brings them back with warm
             caches. It records the model's weights checksum; another model is refused.
@@ -116,6 +128,7 @@ class Runtime:
         trace: str | os.PathLike[str] | None = None,
         log_level: str = "info",
         dequantize: bool = False,
+        share_prefixes: bool = True,
         state_dir: str | os.PathLike[str] | None = None,
         persist: str = "turn",
     ) -> None:
@@ -154,6 +167,7 @@ class Runtime:
             max_batch_size=max_batch_size,
             prefill_step_size=prefill_step_size,
             admission_window=admission_window,
+            share_prefixes=bool(share_prefixes),
         )
         self._agents: dict[str, Agent] = {}
         self._keeping: dict[str, anyio.Lock] = {}
@@ -355,14 +369,7 @@ class Runtime:
                 turns; each ``ask`` can override them. ``temperature=0`` is greedy.
             mailbox_size: this agent's mailbox size (default: the runtime's).
         """
-        if self._tg is None or self._closed:
-            raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
-        check_name(name)
-        for other in self._agents:
-            if other.casefold() == name.casefold():
-                raise InvalidRequestError(
-                    f"an agent named {other!r} already exists (names ignore case: they name files)"
-                )
+        self.check_new_name(name)
         if system is not None and not isinstance(system, str):
             raise InvalidRequestError(f"system must be a string, got {system!r}")
         if mailbox_size is not None and (
@@ -379,6 +386,38 @@ class Runtime:
         if self._state is not None and self._state.persist == "turn":
             await self._keep(agent)
         self.log.info("agent.spawned", agent=name)
+        return agent
+
+    def check_new_name(self, name: str) -> None:
+        """Raise unless a new agent may be called ``name`` (the agents' keeper)."""
+        if self._tg is None or self._closed:
+            raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
+        check_name(name)
+        for other in self._agents:
+            if other.casefold() == name.casefold():
+                raise InvalidRequestError(
+                    f"an agent named {other!r} already exists (names ignore case: they name files)"
+                )
+
+    async def fork(
+        self, parent: Agent, name: str, options: TurnOptions, mailbox_size: int | None
+    ) -> Agent:
+        """The agents' keeper: start ``name`` with ``parent``'s conversation and cache."""
+        self.check_new_name(name)
+        self._dropped.discard(name)
+        await self._scheduler.fork(parent.name, name)
+        stats = parent.statistics()
+        agent = await self._start_agent(
+            name,
+            system=parent.system,
+            options=options,
+            mailbox_size=mailbox_size,
+            messages=[m for m in parent.history if m.role != "system"],
+            turns=stats.turns,
+            cached=(stats.cached_tokens, stats.cached_blocks),
+        )
+        if self._state is not None and self._state.persist == "turn":
+            await self._keep(agent)
         return agent
 
     async def _start_agent(self, name: str, *, mailbox_size: int | None, **kwargs: Any) -> Agent:
@@ -429,6 +468,9 @@ class Runtime:
             agents=len(self._agents),
             resident_agents=s.resident_agents,
             resident_blocks=s.resident_blocks,
+            shared_blocks=s.shared_blocks,
+            shared_bytes=(s.agent_blocks - s.resident_blocks) * s.pool.block_bytes,
+            shared_tokens=s.engine.shared_tokens,
             agents_on_disk=s.agents_on_disk,
             evictions=s.evictions,
             restores=s.restores,

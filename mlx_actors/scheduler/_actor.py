@@ -27,6 +27,7 @@ from ._protocol import (
     Cancel,
     Commit,
     Forget,
+    Fork,
     Query,
     Release,
     Save,
@@ -69,6 +70,7 @@ class Scheduler:
         max_batch_size: int = 32,
         prefill_step_size: int = 512,
         admission_window: float = 0.002,
+        share_prefixes: bool = True,
         log: Any = None,
     ) -> None:
         self._load = load
@@ -77,6 +79,7 @@ class Scheduler:
         self._pool_blocks, self._pool_bytes = pool_blocks, pool_bytes
         self._max_batch_size = max_batch_size
         self._prefill_step_size = prefill_step_size
+        self._share_prefixes = share_prefixes
         self._log = log if log is not None else structlog.get_logger(__name__)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -205,6 +208,42 @@ class Scheduler:
         if outcome[0] is not None:
             raise outcome[0]
 
+    async def fork(self, parent: str, child: str) -> None:
+        """Give ``child`` the parent's cache: its blocks by reference, or, if they are on
+        disk, a copy of the parent's saved cache (read back on the child's first turn).
+
+        Raises:
+            RuntimeClosedError: the runtime shut down first.
+        """
+        done = anyio.Event()
+        outcome: list[bool | None] = []
+
+        def reply(on_disk: bool | None) -> None:
+            outcome.append(on_disk)
+            done.set()
+
+        self._put(Fork(parent, child, reply))
+        await done.wait()
+        if outcome[0] is None:
+            raise RuntimeClosedError("the runtime shut down before the fork")
+        if outcome[0]:
+            previous = self._disk_tail.get(parent)
+
+            async def copy() -> None:
+                if previous is not None:
+                    await previous.wait()
+                if parent not in self._on_disk:  # the write that evicted it failed
+                    self._put(Forget(child))
+                    return
+                try:
+                    await self._store.copy(parent, child)
+                except Exception:
+                    self._put(Forget(child))  # the child starts from its conversation
+                    raise
+                self._on_disk.add(child)
+
+            await self._disk(child, copy).wait()
+
     async def forget(self, agent: str, *, drop: bool) -> None:
         """Free the agent's cache; with ``drop``, delete it from the store as well."""
         self._put(Forget(agent))
@@ -319,7 +358,7 @@ class Scheduler:
             command.turn.cancelled.set()
         elif isinstance(command, Query) and self._final is not None:
             command.reply(self._final)
-        elif isinstance(command, Save):
+        elif isinstance(command, (Save, Fork)):
             command.reply(None)
 
     def _fail(self, turn: Turn, error: BaseException) -> None:
@@ -374,6 +413,8 @@ class Scheduler:
             self._disk(target.agent, functools.partial(self._save_for, target, value))
         elif kind == "stats":
             target(value)  # a Query's reply callback
+        elif kind == "forked":
+            target.reply(value)
 
     async def _save_for(self, command: Save, image: CacheImage | None) -> None:
         try:
@@ -400,6 +441,7 @@ class Scheduler:
             pool,
             max_batch_size=self._max_batch_size,
             prefill_step_size=self._prefill_step_size,
+            share_prefixes=self._share_prefixes,
         )
         self.model, self.tokenizer, self.spec = model, tokenizer, spec
         self._log.info(

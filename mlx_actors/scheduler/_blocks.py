@@ -1,9 +1,10 @@
-"""Blocks to an mlx-lm cache when a sequence is inserted, and a finished cache back to blocks."""
+"""Blocks to an mlx-lm cache when a sequence is inserted, and a cache back to blocks when it
+is finished (or a shared prefix is published), reusing every block the index holds."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -11,6 +12,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..errors import CacheReconstructionError
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
+from ._prefix import Node, Piece, PrefixIndex
 from ._spec import BLOCK_SIZE, LayerKind, LayerSpec, ModelCacheSpec, max_blocks_for_layer
 
 
@@ -39,22 +41,34 @@ def check_blocks(pool: BlockPool, blocks: AgentBlocks) -> None:
             continue
         if not layer_blocks:
             raise CacheReconstructionError(f"{where}: no blocks for {total} cached tokens")
-        for before, after in itertools.pairwise(layer_blocks):
+        # The tail must be contiguous up to the end; a sliding layer may also keep the
+        # blocks of shared boundaries before its window.
+        needed = 0 if layer.window is None else max(0, total - layer.window)
+        tail = len(layer_blocks) - 1
+        while tail > 0 and layer_blocks[tail].start > needed:
+            before, after = layer_blocks[tail - 1], layer_blocks[tail]
             if before.end != after.start:
                 raise CacheReconstructionError(
                     f"{where}: blocks are not contiguous ({before!r} then {after!r})"
                 )
-        first, last = layer_blocks[0], layer_blocks[-1]
+            tail -= 1
+        first, last = layer_blocks[tail], layer_blocks[-1]
         if last.end != total:
             raise CacheReconstructionError(
                 f"{where}: blocks end at token {last.end} but the history has {total} tokens"
             )
-        needed = 0 if layer.window is None else max(0, total - layer.window)
         if first.start > needed:
             raise CacheReconstructionError(
                 f"{where}: blocks start at token {first.start} but the layer needs "
                 f"tokens from {needed}"
             )
+        if layer.kind is LayerKind.GLOBAL and tail != 0:
+            raise CacheReconstructionError(f"{where}: a global layer holds blocks twice")
+        for before, after in itertools.pairwise(layer_blocks):
+            if (before.start, before.end) >= (after.start, after.end):
+                raise CacheReconstructionError(
+                    f"{where}: blocks are out of order ({before!r} then {after!r})"
+                )
 
 
 def _check_arrays(where: str, layer: LayerSpec, block: KVBlock) -> None:
@@ -79,33 +93,36 @@ def _check_arrays(where: str, layer: LayerSpec, block: KVBlock) -> None:
         raise CacheReconstructionError(f"{where}: {block!r} crosses a block boundary")
 
 
-def max_trim(spec: ModelCacheSpec, blocks: AgentBlocks) -> int:
-    """How many tokens can be dropped from the end of ``blocks`` and the cache rebuilt.
-
-    Global layers can lose any number. A sliding layer that has dropped old tokens
-    can only go back as far as the oldest token it still holds allows.
-    """
-    total = blocks.num_tokens
-    limit = total
+def pieces(spec: ModelCacheSpec, blocks: AgentBlocks, keep: int) -> tuple[tuple[Piece, ...], ...]:
+    """The pieces of ``blocks`` each layer needs for a cache of its first ``keep`` tokens."""
+    layers = []
     for layer, layer_blocks in zip(spec.layers, blocks.layers, strict=True):
-        if layer.window is None or not layer_blocks or layer_blocks[0].start == 0:
-            continue
-        # After dropping n tokens the layer needs positions from total - n - window.
-        limit = min(limit, total - layer.window - layer_blocks[0].start)
-    return max(0, limit)
+        lo = 0 if layer.window is None else max(0, keep - layer.window)
+        layers.append(
+            tuple(
+                (b, max(lo, b.start), min(keep, b.end))
+                for b in layer_blocks
+                if b.start < keep and b.end > lo
+            )
+        )
+    return tuple(layers)
 
 
-def to_cache(spec: ModelCacheSpec, blocks: AgentBlocks, keep: int) -> list[Any]:
-    """An mlx-lm per-layer cache holding the first ``keep`` tokens of ``blocks``.
+def to_cache(
+    spec: ModelCacheSpec, blocks: AgentBlocks | Sequence[Sequence[Piece]], keep: int
+) -> list[Any]:
+    """An mlx-lm per-layer cache holding the first ``keep`` tokens, from ``blocks`` (an
+    agent's, or per layer the pieces a :class:`~._prefix.Source` found).
 
     Only the tokens a layer needs are copied (a sliding layer needs its last
     ``window``). The copies are lazy: MLX runs them when the batch is built.
     """
+    layers = pieces(spec, blocks, keep) if isinstance(blocks, AgentBlocks) else blocks
     caches: list[Any] = []
-    for layer, layer_blocks in zip(spec.layers, blocks.layers, strict=True):
+    for layer, layer_pieces in zip(spec.layers, layers, strict=True):
         lo = 0 if layer.window is None else max(0, keep - layer.window)
-        keys = _gather([(b, b.keys) for b in layer_blocks], lo, keep)
-        values = _gather([(b, b.values) for b in layer_blocks], lo, keep)
+        keys = _gather([(b.keys, b.start, a, z) for b, a, z in layer_pieces])
+        values = _gather([(b.values, b.start, a, z) for b, a, z in layer_pieces])
         if layer.kind is LayerKind.GLOBAL:
             cache: Any = KVCache()
         else:
@@ -116,19 +133,15 @@ def to_cache(spec: ModelCacheSpec, blocks: AgentBlocks, keep: int) -> list[Any]:
     return caches
 
 
-def _gather(parts: Sequence[tuple[KVBlock, mx.array | None]], lo: int, hi: int) -> mx.array:
-    """Positions ``[lo, hi)`` of a layer, from its blocks' arrays."""
-    pieces = [
-        a[..., max(lo, b.start) - b.start : min(hi, b.end) - b.start, :]
-        for b, a in parts
-        if a is not None and b.start < hi and b.end > lo
-    ]
-    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+def _gather(parts: Sequence[tuple[mx.array | None, int, int, int]]) -> mx.array:
+    """Positions ``[a, z)`` of each part, concatenated (a part's array starts at ``start``)."""
+    slices = [arr[..., a - start : z - start, :] for arr, start, a, z in parts if arr is not None]
+    return slices[0] if len(slices) == 1 else mx.concatenate(slices, axis=2)
 
 
 def blocks_needed(spec: ModelCacheSpec, final_tokens: int, shared_tokens: int) -> int:
     """New blocks a turn may need: the final history's blocks, less the full blocks of
-    global layers it keeps unchanged from the previous cache."""
+    global layers it takes unchanged from blocks that already exist."""
     shared = shared_tokens // BLOCK_SIZE
     total = 0
     for layer in spec.layers:
@@ -137,72 +150,142 @@ def blocks_needed(spec: ModelCacheSpec, final_tokens: int, shared_tokens: int) -
     return total
 
 
+def checkpoint_blocks(spec: ModelCacheSpec, at: int) -> int:
+    """Blocks a prefix of ``at`` tokens needs beyond its whole chunks of global layers:
+    the last partial chunk of each global layer and every block of the sliding ones."""
+    total = 0
+    for layer in spec.layers:
+        if layer.kind is LayerKind.GLOBAL:
+            total += 1 if at % BLOCK_SIZE else 0
+        else:
+            total += max_blocks_for_layer(layer, at)
+    return total
+
+
 def from_cache(
     pool: BlockPool,
     cache: Sequence[Any],
     tokens: Sequence[int],
     reservation: Reservation,
-    previous: AgentBlocks | None,
-    unchanged: int,
+    *,
+    index: PrefixIndex | None = None,
+    namespace: Hashable = None,
+    path: Sequence[Node] = (),
+    anchors: Sequence[int] = (),
 ) -> AgentBlocks:
-    """Cut a finished sequence's cache into blocks.
+    """Cut a cache holding ``tokens`` into blocks.
 
-    Full blocks of global layers that lie within the first ``unchanged`` tokens are
-    shared with ``previous`` instead of copied: only the tail is copied. Sliding
-    layers keep the blocks that overlap their window. On error every block taken is
-    freed again. The copies are lazy: evaluate the new blocks (:func:`evaluate`) before
-    the finished cache is dropped, so that they hold their own memory.
+    Every block the index already holds for these tokens is shared instead of copied,
+    so only what is new is copied (from ``reservation``). Sliding layers keep the blocks
+    that overlap their window, and those of the ``anchors`` (shared boundaries) that
+    are still live. On error every block taken is freed again. The copies are lazy:
+    evaluate the new blocks (:func:`evaluate`) before the cache is dropped.
     """
     spec = pool.spec
+    index = index if index is not None else PrefixIndex(spec)
     total = len(tokens)
-    shared = unchanged // BLOCK_SIZE if previous is not None else 0
+    nodes = index.chain(namespace, tokens, total, path) if total else []
+    anchors, kept = _anchor_blocks(spec, index, namespace, tokens, nodes, anchors)
     made: list[KVBlock] = []
     taken: list[KVBlock] = []
     try:
         layers = []
-        for index, (layer, c) in enumerate(zip(spec.layers, cache, strict=True)):
+        for number, (layer, c) in enumerate(zip(spec.layers, cache, strict=True)):
             keys, values = c.keys, c.values
+            if isinstance(c, RotatingKVCache) and keys is not None:
+                keys, values = c._temporal_order(keys), c._temporal_order(values)
             held = int(keys.shape[2]) if keys is not None else 0
             if layer.kind is LayerKind.GLOBAL:
                 if c.offset != total or held < total:
                     raise CacheReconstructionError(
-                        f"layer {index}: the finished cache holds {c.offset} tokens, "
-                        f"expected {total}"
+                        f"layer {number}: the cache holds {c.offset} tokens, expected {total}"
                     )
-                kept = previous.layers[index][:shared] if previous is not None else ()
-                out = [pool.share(b) for b in kept]
-                taken.extend(out)
-                first = shared * BLOCK_SIZE
-                oldest = 0
+                oldest, first = 0, 0
             else:
                 # The rotating cache holds its last `held` tokens in temporal order.
                 assert layer.window is not None
+                held = min(held, c.offset)
                 oldest = total - held
-                if held < min(total, layer.window):
+                if c.offset != total or held < min(total, layer.window):
                     raise CacheReconstructionError(
-                        f"layer {index}: the finished cache holds {held} tokens, fewer "
-                        f"than its window of {layer.window}"
+                        f"layer {number}: the cache holds {held} of {c.offset} tokens, "
+                        f"expected the last {min(total, layer.window)} of {total}"
                     )
-                first = max(oldest, max(0, total - layer.window) // BLOCK_SIZE * BLOCK_SIZE)
-                out = []
-            start = first
-            while start < total:
-                end = min((start // BLOCK_SIZE + 1) * BLOCK_SIZE, total)
-                block = reservation.allocate(
-                    index,
-                    start,
-                    mx.contiguous(keys[..., start - oldest : end - oldest, :]),
-                    mx.contiguous(values[..., start - oldest : end - oldest, :]),
-                )
-                made.append(block)
-                out.append(block)
-                start = end
-            layers.append(tuple(out))
+                first = max(0, total - layer.window) // BLOCK_SIZE
+            out: dict[int, KVBlock] = {}
+            for node in nodes[first:]:
+                want = max(oldest, node.start)
+                block = node.blocks.get(number)
+                if block is not None and block.start <= want:
+                    block = pool.share(block)
+                    taken.append(block)
+                else:
+                    lo, hi = want - oldest, node.end - oldest
+                    block = reservation.allocate(
+                        number,
+                        want,
+                        mx.contiguous(keys[..., lo:hi, :]),
+                        mx.contiguous(values[..., lo:hi, :]),
+                    )
+                    made.append(block)
+                    index.attach(node, block)
+                out[block.id] = block
+            for block in kept[number]:
+                if block.id not in out:
+                    out[block.id] = pool.share(block)
+                    taken.append(out[block.id])
+            layers.append(tuple(sorted(out.values(), key=lambda b: (b.start, b.end))))
     except BaseException:
         pool.free(made)
         pool.free(taken)
+        for node in reversed(nodes):
+            index.prune(node)
         raise
-    return AgentBlocks(tuple(layers), tuple(tokens))
+    return AgentBlocks(tuple(layers), tuple(tokens), anchors)
+
+
+def _anchor_blocks(
+    spec: ModelCacheSpec,
+    index: PrefixIndex,
+    namespace: Hashable,
+    tokens: Sequence[int],
+    nodes: Sequence[Node],
+    anchors: Sequence[int],
+) -> tuple[tuple[int, ...], list[list[KVBlock]]]:
+    """The anchors whose window every sliding layer still has live blocks for, and those
+    blocks per layer (other anchors are dropped)."""
+    kept: list[list[KVBlock]] = [[] for _ in spec.layers]
+    if not spec.sliding_layers:
+        return (), kept
+    live = []
+    for at in sorted(set(anchors)):
+        if not 0 < at < len(tokens):
+            continue
+        depth = (at - 1) // BLOCK_SIZE
+        last: Node | None = nodes[depth]
+        if at % BLOCK_SIZE:
+            parent = nodes[depth - 1] if depth else index.root(namespace)
+            last = parent.children.get(tuple(tokens[depth * BLOCK_SIZE : at]))
+        if last is None:
+            continue
+        found: list[tuple[int, KVBlock]] = []
+        for number, layer in enumerate(spec.layers):
+            if layer.window is None:
+                continue
+            lo = max(0, at - layer.window)
+            chain = [*nodes[lo // BLOCK_SIZE : depth], last]
+            blocks = [node.blocks.get(number) for node in chain]
+            if not all(
+                b is not None and b.start <= max(lo, node.start)
+                for b, node in zip(blocks, chain, strict=True)
+            ):
+                break
+            found.extend((number, b) for b in blocks if b is not None)
+        else:
+            live.append(at)
+            for number, block in found:
+                kept[number].append(block)
+    return tuple(live), kept
 
 
 def evaluate(blocks: Sequence[AgentBlocks]) -> None:

@@ -1,11 +1,13 @@
 """The batch engine: every sequence runs through one mlx-lm ``BatchGenerator``, and each
-sequence's cache lives as blocks of a :class:`BlockPool` between turns."""
+sequence's cache lives as blocks of a :class:`BlockPool` between turns, indexed by the
+tokens they hold so that any sequence starts from the longest prefix any agent computed."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -14,11 +16,14 @@ from mlx.nn.layers.base import Module
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_top_p
 
-from ..errors import EngineError, InvalidRequestError
-from ._blocks import blocks_needed, check_blocks, evaluate, from_cache, max_trim, to_cache
-from ._pool import AgentBlocks, BlockPool, Reservation
+from ..errors import EngineError, InvalidRequestError, MlxActorsError, PoolExhaustedError
+from ._blocks import blocks_needed, check_blocks, checkpoint_blocks, evaluate, from_cache, to_cache
+from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
+from ._prefill import PrefillJob
+from ._prefix import PrefixIndex, Source
 from ._spec import ModelCacheSpec
 from ._text import TextStream
+from ._tokens import common_prefix
 
 FinishReason = Literal["stop", "length"]
 Sampler = Callable[[mx.array], mx.array]
@@ -69,10 +74,28 @@ class Usage:
 
     #: New tokens run through the model before generating (the prefill).
     prompt_tokens: int
-    #: History tokens taken from the cache instead of being prefilled again.
+    #: History tokens taken from cache blocks instead of being prefilled again.
     cached_tokens: int
     #: Tokens generated.
     generated_tokens: int
+    #: Of ``cached_tokens``, those taken from blocks other agents' turns computed.
+    shared_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Admission:
+    """Where a submitted sequence starts, decided when it is submitted."""
+
+    #: Prompt tokens whose cache comes from existing blocks.
+    cached_tokens: int
+    #: Of those, tokens from blocks other agents' turns computed.
+    shared_tokens: int
+    #: Prompt tokens left to prefill.
+    prefill_tokens: int
+    #: The agent whose prefill computes a longer prefix this sequence waits for.
+    waits_for: str | None = None
+    #: How long that prefix is.
+    waits_tokens: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -137,19 +160,44 @@ class EngineStatistics:
     completed: int
     #: Largest decode batch seen.
     max_decode_batch: int
+    #: Of ``cached_tokens``, tokens reused from blocks other agents' turns computed.
+    shared_tokens: int = 0
+    #: Prefills run as jobs outside the batch (long prompts, shared prefixes).
+    prefill_jobs: int = 0
+    #: Shared prefixes published by those jobs for sequences waiting on them.
+    checkpoints: int = 0
+
+
+_AUTO: Any = object()
 
 
 @attrs.define(eq=False)
 class _Sequence:
     uid: int
     agent_id: str
-    previous: AgentBlocks | None
-    history: tuple[int, ...]
-    prompt: list[int]
-    reservation: Reservation
+    namespace: Hashable
+    #: The whole prompt.
+    tokens: list[int]
+    #: Tokens of the caller's own cache that agree with the prompt.
+    kept: int
+    #: The caller's anchors on the prompt's path, and shared prefixes it started from.
+    anchors: tuple[int, ...]
+    budget: int
+    sampler: Sampler | None
     text: TextStream
     on_token: Callable[[TokenEvent], None] | None
     submitted: float
+    #: ``pending`` (starts at the next step), ``parked`` (waits for a prefill job's
+    #: checkpoint), ``job`` (its own prefill job runs), ``running`` (in the batch).
+    state: str = "pending"
+    source: Source = attrs.field(factory=lambda: Source(length=0, layers=()))
+    #: References it holds until it finishes: its source's blocks and more.
+    held: list[KVBlock] = attrs.Factory(list)
+    reservation: Reservation | None = None
+    job: PrefillJob | None = None
+    waiting: tuple[PrefillJob, int] | None = None
+    admission: Admission | None = None
+    gen_uid: int | None = None
     generated: list[int] = attrs.Factory(list)
     prefilled: int = 0
     first_token: float | None = None
@@ -161,8 +209,18 @@ class BlockPoolBatchEngine:
     A sequence is submitted with token ids (or text) and, to continue an earlier turn,
     the :class:`AgentBlocks` that turn returned: its prompt is then only the new
     tokens. :meth:`step` advances every sequence by one token and returns those that
-    finished, each with a new ``AgentBlocks``. Blocks become an mlx-lm cache once, on
-    :meth:`submit`, and the finished cache becomes blocks once, on finish.
+    finished, each with a new ``AgentBlocks``. Every live block is indexed by the
+    tokens it was computed from (:class:`PrefixIndex`): a sequence starts from the
+    longest prefix of its tokens that any live blocks hold (its own earlier turns', or
+    with ``share_prefixes`` any agent's), and a finished cache is cut into blocks that
+    reuse what exists, so a prefix shared by many agents is held once.
+
+    With ``share_prefixes``, sequences submitted together that share a prefix of at
+    least ``min_shared`` tokens do not each prefill it: the first one's prefill runs as a
+    job outside the batch (:class:`PrefillJob`), which stops where the others' prompts
+    diverge from it and publishes its cache there as blocks; the others wait for that
+    and start from them. A prompt of ``long_prefill`` new tokens or more is prefilled
+    the same way, so that sequences arriving while it runs can still join it.
 
     Not thread-safe: make every call from the one thread that owns the model.
 
@@ -175,6 +233,10 @@ class BlockPoolBatchEngine:
         prefill_batch_size: most prompts prefilled together.
         prefill_step_size: most prompt tokens per sequence run in one step, so a long
             prompt does not stall the sequences already decoding.
+        share_prefixes: reuse blocks across agents (namespaces), and run shared
+            prefixes once; with ``False`` a sequence reuses only its own namespace's.
+        min_shared: the shortest shared prefix worth waiting for.
+        long_prefill: new prompt tokens from which a prefill runs as a job.
     """
 
     def __init__(
@@ -187,11 +249,16 @@ class BlockPoolBatchEngine:
         max_batch_size: int = 32,
         prefill_batch_size: int = 8,
         prefill_step_size: int = 512,
+        share_prefixes: bool = True,
+        min_shared: int = 64,
+        long_prefill: int = 1024,
     ) -> None:
         for name, value in (
             ("max_batch_size", max_batch_size),
             ("prefill_batch_size", prefill_batch_size),
             ("prefill_step_size", prefill_step_size),
+            ("min_shared", min_shared),
+            ("long_prefill", long_prefill),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"{name} must be a positive int, got {value!r}")
@@ -202,6 +269,15 @@ class BlockPoolBatchEngine:
         if self.spec != pool.spec:
             raise InvalidRequestError("the pool was made for another model's cache spec")
         self.max_batch_size = max_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.share_prefixes = share_prefixes
+        self.min_shared = min_shared
+        self.long_prefill = long_prefill
+        self.index = PrefixIndex(self.spec)
+        pool.on_release(self.index.detach)
+        #: Called with an agent id when a reservation fails; returns whether it freed
+        #: blocks (by evicting an idle agent's cache), so that the engine tries again.
+        self.make_room: Callable[[str], bool] | None = None
         self._generator_options = dict(
             completion_batch_size=max_batch_size,
             prefill_batch_size=min(prefill_batch_size, max_batch_size),
@@ -211,9 +287,15 @@ class BlockPoolBatchEngine:
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._vocab_size = _vocab_size(model, tokenizer)
         self._generator = BatchGenerator(model, **self._generator_options)
+        self._uids = itertools.count()
         self._sequences: dict[int, _Sequence] = {}
+        self._running: dict[int, _Sequence] = {}  # by the generator's uid
+        self._pending: list[_Sequence] = []
+        self._jobs: list[PrefillJob] = []
+        self._refused: list[tuple[int, MlxActorsError]] = []
         self._steps = self._prefill_tokens = self._generated_tokens = 0
         self._cached_tokens = self._completed = self._max_decode_batch = 0
+        self._shared_tokens = self._prefill_jobs = self._checkpoints = 0
         self.last_step: StepInfo | None = None
 
     # -- submitting -------------------------------------------------------------------
@@ -229,8 +311,10 @@ class BlockPoolBatchEngine:
         sampling: Sampling | None = None,
         stop: Sequence[str] = (),
         on_token: Callable[[TokenEvent], None] | None = None,
+        namespace: Hashable = _AUTO,
     ) -> int:
-        """Queue a sequence; it joins the batch at the next :meth:`step`.
+        """Queue a sequence; it joins the batch at the next :meth:`step` (or waits there
+        for a shared prefix another sequence is prefilling).
 
         Args:
             agent_id: who the sequence belongs to (carried to the result).
@@ -243,6 +327,9 @@ class BlockPoolBatchEngine:
             sampling: temperature, top-p and seed; greedy by default.
             stop: strings that end the generation; the match is not part of the text.
             on_token: called on this thread with each :class:`TokenEvent`.
+            namespace: which blocks the sequence may reuse and share: those of its
+                namespace only (default: every sequence's with ``share_prefixes``,
+                else the agent's own).
 
         Returns:
             The sequence's uid.
@@ -260,18 +347,10 @@ class BlockPoolBatchEngine:
         stops = _check_stops(stop)
         if cache is not None:
             check_blocks(self.pool, cache)
-            if cache.num_tokens == 0:
-                cache = None
         history_len = cache.num_tokens if cache is not None else 0
         if isinstance(trim, bool) or not isinstance(trim, int) or not 0 <= trim <= history_len:
             raise InvalidRequestError(
                 f"trim must be an int in [0, {history_len}] (the cached tokens), got {trim!r}"
-            )
-        if cache is not None and trim > max_trim(self.spec, cache):
-            raise InvalidRequestError(
-                f"cannot trim {trim} tokens: sliding-window layers no longer hold the "
-                f"tokens that would need (at most {max_trim(self.spec, cache)}); submit "
-                "the whole history without a cache instead"
             )
         kept = history_len - trim
         tokens = self._encode(prompt, fresh=kept == 0)
@@ -283,42 +362,38 @@ class BlockPoolBatchEngine:
                 f"the model's context of {limit} tokens; shorten the conversation"
             )
         budget = min(max_tokens, limit - total) if limit is not None else max_tokens
-        need = blocks_needed(self.spec, total + budget, kept if cache is not None else 0)
+        need = blocks_needed(self.spec, total + budget, kept)
         if need > self.pool.total_blocks:
             raise InvalidRequestError(
                 f"the turn may need {need} blocks ({total} prompt tokens + {budget} new), "
                 f"more than the whole pool of {self.pool.total_blocks}; lower max_tokens, "
                 "shorten the conversation or give the runtime a larger pool"
             )
-        reservation = self.pool.reserve(need)
-        try:
-            caches = None
-            history: tuple[int, ...] = ()
-            if cache is not None and kept > 0:
-                caches = [to_cache(self.spec, cache, kept)]
-                history = cache.tokens[:kept]
-            sampler = sampling.make_sampler()
-            (uid,) = self._generator.insert(
-                [tokens],
-                max_tokens=[budget],
-                caches=caches,
-                samplers=[sampler] if sampler is not None else None,
-            )
-        except BaseException:
-            reservation.release()
-            raise
-        self._sequences[uid] = _Sequence(
-            uid=uid,
+        if namespace is _AUTO:
+            namespace = None if self.share_prefixes else agent_id
+        full = [*cache.tokens[:kept], *tokens] if cache is not None and kept else tokens
+        anchors = tuple(a for a in cache.anchors if a <= kept) if cache is not None else ()
+        seq = _Sequence(
+            uid=next(self._uids),
             agent_id=agent_id,
-            previous=cache if kept > 0 else None,
-            history=history,
-            prompt=tokens,
-            reservation=reservation,
+            namespace=namespace,
+            tokens=full,
+            kept=kept,
+            anchors=anchors,
+            budget=budget,
+            sampler=sampling.make_sampler(),
             text=TextStream(self.tokenizer.detokenizer, stops),
             on_token=on_token,
             submitted=time.perf_counter(),
         )
-        return int(uid)
+        self._plan(seq)
+        self._sequences[seq.uid] = seq
+        return seq.uid
+
+    def admission(self, uid: int) -> Admission | None:
+        """Where a submitted sequence starts (``None`` once it is no longer in flight)."""
+        seq = self._sequences.get(uid)
+        return seq.admission if seq is not None else None
 
     def _encode(self, prompt: Sequence[int] | str, *, fresh: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -343,6 +418,128 @@ class BlockPoolBatchEngine:
             )
         return tokens
 
+    # -- planning -----------------------------------------------------------------------
+
+    def _plan(self, seq: _Sequence) -> None:
+        """Decide where ``seq`` starts: take references to the longest prefix live blocks
+        hold, then wait for a prefill that computes a longer shared prefix, or start at
+        the next step. Reserves the blocks it may need; raises (holding nothing new) if
+        the pool cannot give them.
+
+        Under memory pressure the agent's own history comes first: if the pool has no
+        room while the sequence holds other agents' blocks (which keeps them from being
+        moved to disk), it starts from its own blocks instead."""
+        n = len(seq.tokens)
+        limit = n - 1
+        while True:
+            source = self.index.find(seq.namespace, seq.tokens, limit)
+            held = [self.pool.share(b) for b in source.blocks()]
+            try:
+                target = (
+                    self._shared_prefill(seq, source.length)
+                    if self.share_prefixes and limit == n - 1
+                    else None
+                )
+                final = n + seq.budget
+                if target is None:
+                    self._reserve(seq, blocks_needed(self.spec, final, source.length))
+                else:
+                    job, at, new = target
+                    extra = checkpoint_blocks(self.spec, at) if new else 0
+                    self._reserve(seq, blocks_needed(self.spec, final, at) + extra)
+                    assert seq.reservation is not None
+                    seq.reservation.give(extra, job.reservation)
+                break
+            except PoolExhaustedError:
+                self.pool.free(held)
+                if limit <= seq.kept or source.length <= seq.kept:
+                    raise
+                limit = seq.kept
+            except BaseException:
+                self.pool.free(held)
+                raise
+        self.pool.free(seq.held)
+        seq.source, seq.held = source, held
+        shared = max(0, source.length - seq.kept)
+        seq.admission = Admission(
+            cached_tokens=source.length, shared_tokens=shared, prefill_tokens=n - source.length
+        )
+        if target is None:
+            seq.state = "pending"
+            self._pending.append(seq)
+            return
+        job, at, _ = target
+        job.checkpoints.setdefault(at, []).append(seq)
+        seq.state, seq.waiting = "parked", (job, at)
+        owner = job.owner.agent_id if job.owner is not None else None
+        seq.admission = attrs.evolve(seq.admission, waits_for=owner, waits_tokens=at)
+
+    def _shared_prefill(self, seq: _Sequence, start: int) -> tuple[PrefillJob, int, bool] | None:
+        """A prefill (running, or queued to start) that will compute a prefix of ``seq``'s
+        tokens at least ``min_shared`` tokens longer than ``start``: the job, where to
+        wait, and whether that checkpoint is new."""
+        tokens, n, slack = seq.tokens, len(seq.tokens), self.min_shared
+        head = tokens[start : start + slack]
+        best: tuple[PrefillJob | _Sequence, int] | None = None
+        candidates: list[PrefillJob | _Sequence] = [*self._jobs, *self._pending]
+        for other in candidates:
+            if other.namespace != seq.namespace or other is seq:
+                continue
+            if isinstance(other, PrefillJob):
+                pos, end = other.pos, other.end
+            else:
+                pos, end = other.source.length, len(other.tokens) - 1
+            if other.tokens[start : start + slack] != head:
+                continue
+            at = min(common_prefix(tokens, other.tokens), n - 1, end)
+            if at - start >= slack and at > pos and (best is None or at > best[1]):
+                best = (other, at)
+        if best is None:
+            return None
+        other, at = best
+        if isinstance(other, PrefillJob):
+            job = other
+        else:
+            self._pending.remove(other)
+            job = self._make_job(other)
+        at, new = job.checkpoint(at, slack)
+        return job, at, new
+
+    def _make_job(self, seq: _Sequence) -> PrefillJob:
+        """Turn a sequence's prefill into a job (its first chunk runs at the next step)."""
+        assert seq.reservation is not None
+        job = PrefillJob(
+            namespace=seq.namespace,
+            tokens=seq.tokens,
+            pos=seq.source.length,
+            end=len(seq.tokens) - 1,
+            source=seq.source,
+            reservation=seq.reservation,
+            held=seq.held,
+            owner=seq,
+        )
+        seq.reservation, seq.held = None, []
+        seq.state, seq.job = "job", job
+        self._jobs.append(job)
+        self._prefill_jobs += 1
+        return job
+
+    def _reserve(self, seq: _Sequence, need: int) -> None:
+        """Make sure ``seq`` has ``need`` blocks reserved."""
+        have = seq.reservation.remaining if seq.reservation is not None else 0
+        if have >= need:
+            return
+        while True:
+            try:
+                if seq.reservation is None:
+                    seq.reservation = self.pool.reserve(need)
+                else:
+                    seq.reservation.grow(need - have)
+                return
+            except PoolExhaustedError:
+                if self.make_room is None or not self.make_room(seq.agent_id):
+                    raise
+
     # -- running ----------------------------------------------------------------------
 
     @property
@@ -350,20 +547,31 @@ class BlockPoolBatchEngine:
         """Sequences submitted and not yet finished or cancelled."""
         return len(self._sequences)
 
+    def take_refused(self) -> list[tuple[int, MlxActorsError]]:
+        """Sequences dropped since the last call because, waiting for a shared prefix,
+        they could no longer get the blocks they need; each with its error."""
+        refused, self._refused = self._refused, []
+        return refused
+
     def step(self) -> list[CompletedGeneration]:
         """Advance the batch by one step and return the sequences that finished.
+
+        A step runs one chunk of the oldest prefill job (if any), starts the sequences
+        that are ready, and runs one step of the ``BatchGenerator``.
 
         Raises:
             EngineError: the model step failed. Every sequence in flight was dropped and
                 its reservation returned (their uids are in ``error.uids``); the engine
                 is ready for new work.
         """
-        if not self._sequences:
+        if not self._sequences and not self._jobs:
             self.last_step = None
             return []
         started = time.perf_counter()
         try:
-            prompt_responses, responses = self._generator.next()
+            prefill = self._run_job()
+            self._start_pending()
+            prompt_responses, responses = self._generator.next() if self._running else ([], [])
         except Exception as exc:
             uids = self._reset()
             raise EngineError(
@@ -371,9 +579,8 @@ class BlockPoolBatchEngine:
                 uids=uids,
             ) from exc
         now = time.perf_counter()
-        prefill = 0
         for pr in prompt_responses:
-            seq = self._sequences.get(pr.uid)
+            seq = self._running.get(pr.uid)
             if seq is not None:
                 done = int(pr.progress[0])
                 prefill += done - seq.prefilled
@@ -381,7 +588,7 @@ class BlockPoolBatchEngine:
         finished: list[CompletedGeneration] = []
         stopped: list[_Sequence] = []
         for r in responses:
-            seq = self._sequences[r.uid]
+            seq = self._running[r.uid]
             seq.generated.append(r.token)
             if seq.first_token is None:
                 seq.first_token = now
@@ -394,12 +601,13 @@ class BlockPoolBatchEngine:
             if reason is not None:
                 piece += seq.text.finish()
             if seq.on_token is not None:
-                seq.on_token(TokenEvent(uid=r.uid, token=r.token, text=piece))
+                seq.on_token(TokenEvent(uid=seq.uid, token=r.token, text=piece))
             if r.finish_reason is not None:
                 finished.append(self._finish(seq, r.prompt_cache, reason or r.finish_reason))
         if stopped:
-            caches = self._generator.remove([s.uid for s in stopped], return_prompt_caches=True)
-            finished.extend(self._finish(s, caches[s.uid][0], "stop") for s in stopped)
+            gen_uids = [s.gen_uid for s in stopped]
+            caches = self._generator.remove(gen_uids, return_prompt_caches=True)
+            finished.extend(self._finish(s, caches[s.gen_uid][0], "stop") for s in stopped)
         if finished:  # one evaluation (one wait for the device) for every finished cache
             evaluate([f.blocks for f in finished])
         self._steps += 1
@@ -414,20 +622,141 @@ class BlockPoolBatchEngine:
         )
         return finished
 
+    def _run_job(self) -> int:
+        """One chunk of the oldest prefill job; publish a checkpoint it reached, hand its
+        sequence to the batch when it is done. Returns the tokens prefilled."""
+        if not self._jobs:
+            return 0
+        job = self._jobs[0]
+        with mx.stream(self._generator.stream):
+            n = job.run_chunk(self.model, self.spec, self.prefill_step_size)
+        if job.pos in job.checkpoints:
+            self._publish(job, job.pos)
+        if job.pos == job.end:
+            self._end_job(job)
+        elif job.owner is None and not job.checkpoints:
+            self._drop_job(job)
+        return n
+
+    def _publish(self, job: PrefillJob, at: int) -> None:
+        """Cut the job's cache at ``at`` into blocks (indexed, so the waiting sequences
+        find them) and plan the sequences that waited for it."""
+        waiting = job.checkpoints.pop(at)
+        try:
+            self._grow(job.reservation, blocks_needed(self.spec, at, job.source.length))
+            blocks = from_cache(
+                self.pool,
+                job.cache or [],
+                job.tokens[:at],
+                job.reservation,
+                index=self.index,
+                namespace=job.namespace,
+                path=job.source.path,
+            )
+        except PoolExhaustedError:
+            blocks = None  # the waiting sequences start from what they can find
+        if blocks is not None:
+            evaluate([blocks])
+            job.held.extend(blocks.blocks())
+            job.published.append(at)
+            self._checkpoints += 1
+        for seq in waiting:
+            seq.waiting = None
+            try:
+                self._plan(seq)
+            except MlxActorsError as exc:
+                self._refuse(seq, exc)
+
+    def _grow(self, reservation: Reservation, need: int) -> None:
+        """Top up a job's reservation to ``need`` if the pool allows, else leave it."""
+        if reservation.remaining < need:
+            reservation.grow(need - reservation.remaining)
+
+    def _end_job(self, job: PrefillJob) -> None:
+        self._jobs.remove(job)
+        seq = job.owner
+        if seq is None:
+            self._release_job(job)
+            return
+        seq.reservation, seq.held, seq.job = job.reservation, job.held, None
+        seq.anchors = (*seq.anchors, *job.published)
+        self._insert(seq, job.cache)
+
+    def _drop_job(self, job: PrefillJob) -> None:
+        self._jobs.remove(job)
+        self._release_job(job)
+
+    def _release_job(self, job: PrefillJob) -> None:
+        job.reservation.release()
+        self.pool.free(job.held)
+        job.held = []
+
+    def _start_pending(self) -> None:
+        """Start the sequences planned since the last step: a long prefill as a job, the
+        rest straight into the batch."""
+        pending, self._pending = self._pending, []
+        for seq in pending:
+            uncached = len(seq.tokens) - 1 - seq.source.length
+            if self.share_prefixes and uncached >= self.long_prefill:
+                self._make_job(seq)
+            else:
+                self._insert(seq, None)
+
+    def _insert(self, seq: _Sequence, cache: list[Any] | None) -> None:
+        """Put ``seq`` into the batch: with ``cache`` (a prefill job's, holding all but
+        its last prompt token), else with a cache built from its source blocks."""
+        start = len(seq.tokens) - 1 if cache is not None else seq.source.length
+        if cache is None and start:
+            cache = to_cache(self.spec, seq.source.layers, start)
+        (gen_uid,) = self._generator.insert(
+            [seq.tokens[start:]],
+            max_tokens=[seq.budget],
+            caches=[cache] if cache is not None else None,
+            samplers=[seq.sampler] if seq.sampler is not None else None,
+        )
+        seq.state, seq.gen_uid = "running", gen_uid
+        self._running[gen_uid] = seq
+        if seq.source.length > seq.kept:  # a prefix computed for others: keep its state
+            seq.anchors = (*seq.anchors, seq.source.length)
+
+    def _refuse(self, seq: _Sequence, error: MlxActorsError) -> None:
+        del self._sequences[seq.uid]
+        self._release(seq)
+        self._refused.append((seq.uid, error))
+
+    def _release(self, seq: _Sequence) -> None:
+        if seq.reservation is not None:
+            seq.reservation.release()
+            seq.reservation = None
+        self.pool.free(seq.held)
+        seq.held = []
+
     def _finish(
         self, seq: _Sequence, cache: list[Any], reason: FinishReason
     ) -> CompletedGeneration:
         del self._sequences[seq.uid]
-        tokens = (*seq.history, *seq.prompt, *seq.generated)
+        assert seq.gen_uid is not None and seq.reservation is not None
+        del self._running[seq.gen_uid]
+        tokens = (*seq.tokens, *seq.generated)
         try:
             blocks = from_cache(
-                self.pool, cache, tokens, seq.reservation, seq.previous, len(seq.history)
+                self.pool,
+                cache,
+                tokens,
+                seq.reservation,
+                index=self.index,
+                namespace=seq.namespace,
+                path=seq.source.path,
+                anchors=seq.anchors,
             )
         finally:
-            seq.reservation.release()
+            self._release(seq)
         now = time.perf_counter()
+        cached = seq.source.length
+        shared = max(0, cached - seq.kept)
         self._completed += 1
-        self._cached_tokens += len(seq.history)
+        self._cached_tokens += cached
+        self._shared_tokens += shared
         return CompletedGeneration(
             uid=seq.uid,
             agent_id=seq.agent_id,
@@ -436,9 +765,10 @@ class BlockPoolBatchEngine:
             finish_reason=reason,
             blocks=blocks,
             usage=Usage(
-                prompt_tokens=len(seq.prompt),
-                cached_tokens=len(seq.history),
+                prompt_tokens=len(seq.tokens) - cached,
+                cached_tokens=cached,
                 generated_tokens=len(seq.generated),
+                shared_tokens=shared,
             ),
             submitted_at=seq.submitted,
             ttft_s=(seq.first_token or now) - seq.submitted,
@@ -454,9 +784,33 @@ class BlockPoolBatchEngine:
         seq = self._sequences.pop(uid, None)
         if seq is None:
             return False
-        self._generator.remove([uid])
-        seq.reservation.release()
+        if seq.state == "running":
+            assert seq.gen_uid is not None
+            del self._running[seq.gen_uid]
+            self._generator.remove([seq.gen_uid])
+        elif seq.state == "pending":
+            self._pending.remove(seq)
+        elif seq.state == "parked":
+            assert seq.waiting is not None
+            job, at = seq.waiting
+            job.checkpoints[at].remove(seq)
+            if not job.checkpoints[at]:
+                del job.checkpoints[at]
+            if job.owner is None and not job.checkpoints and job in self._jobs:
+                self._drop_job(job)
+        elif seq.state == "job":
+            assert seq.job is not None
+            seq.job.owner = None  # it goes on for the sequences that wait on it
+            if not seq.job.checkpoints:
+                self._drop_job(seq.job)
+        self._release(seq)
         return True
+
+    def share(self, blocks: AgentBlocks) -> AgentBlocks:
+        """One more holder of ``blocks`` (a fork): every block gains a reference."""
+        for block in blocks.blocks():
+            self.pool.share(block)
+        return blocks
 
     def release(self, blocks: AgentBlocks | None) -> None:
         """Give an ``AgentBlocks``'s references back to the pool."""
@@ -471,13 +825,21 @@ class BlockPoolBatchEngine:
             cached_tokens=self._cached_tokens,
             completed=self._completed,
             max_decode_batch=self._max_decode_batch,
+            shared_tokens=self._shared_tokens,
+            prefill_jobs=self._prefill_jobs,
+            checkpoints=self._checkpoints,
         )
 
     def _reset(self) -> list[int]:
         uids = list(self._sequences)
         for seq in self._sequences.values():
-            seq.reservation.release()
+            self._release(seq)
+        for job in self._jobs:
+            self._release_job(job)
         self._sequences.clear()
+        self._running.clear()
+        self._pending.clear()
+        self._jobs.clear()
         self._generator.close()
         self._generator = BatchGenerator(self.model, **self._generator_options)
         return uids

@@ -3,7 +3,7 @@ blocks, on the engine thread. The files themselves are written and read elsewher
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 
 import attrs
 import mlx.core as mx
@@ -12,6 +12,8 @@ import numpy as np
 from ..errors import CacheReconstructionError
 from ._blocks import check_blocks
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
+from ._prefix import Node, PrefixIndex
+from ._spec import BLOCK_SIZE
 
 #: Same-width unsigned types: a bit-exact host copy of any key/value dtype (bf16 too).
 _BITS = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}
@@ -49,6 +51,8 @@ class CacheImage:
     arrays: Mapping[int, tuple[np.ndarray, np.ndarray]] = attrs.field(factory=dict)
     #: Which snapshot of the agent's cache this is (the engine thread numbers them).
     serial: int = 0
+    #: Shared boundaries whose sliding-window state the blocks keep.
+    anchors: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -83,12 +87,21 @@ def take_image(
         dtype=dtype_name(dtype),
         arrays=arrays,
         serial=serial,
+        anchors=blocks.anchors,
     )
 
 
-def make_blocks(pool: BlockPool, image: CacheImage, reservation: Reservation) -> AgentBlocks:
-    """Blocks of ``pool`` holding ``image`` (every array present), drawn from
-    ``reservation``; on error every block taken is freed again."""
+def make_blocks(
+    pool: BlockPool,
+    image: CacheImage,
+    reservation: Reservation,
+    *,
+    index: PrefixIndex | None = None,
+    namespace: Hashable = None,
+) -> AgentBlocks:
+    """Blocks of ``pool`` holding ``image`` (every array present): a block the index
+    already holds for the same tokens is shared, the others are made from
+    ``reservation``. On error every block taken is freed again."""
     spec = pool.spec
     dtype = _DTYPES.get(image.dtype)
     if len(image.layers) != spec.num_layers or dtype is None:
@@ -96,25 +109,53 @@ def make_blocks(pool: BlockPool, image: CacheImage, reservation: Reservation) ->
             f"a saved cache of {len(image.layers)} layers of {image.dtype} does not fit this "
             f"model ({spec.num_layers} layers of {spec.layers[0].dtype})"
         )
+    index = index if index is not None else PrefixIndex(spec)
+    tokens = image.tokens
+    nodes = index.chain(namespace, tokens, len(tokens)) if tokens else []
     made: dict[int, KVBlock] = {}
+    taken: list[KVBlock] = []
     layers = []
     try:
-        for index, entries in enumerate(image.layers):
+        for number, entries in enumerate(image.layers):
             out = []
             for e in entries:
-                block = made.get(e.key)
-                if block is None:
-                    keys, values = _array(image, e.key, 0, dtype), _array(image, e.key, 1, dtype)
-                    block = made[e.key] = reservation.allocate(index, e.start, keys, values)
+                if not 0 <= e.start < e.end <= len(tokens):
+                    raise CacheReconstructionError(
+                        f"block {e.key} holds tokens [{e.start}, {e.end}) of a cache of "
+                        f"{len(tokens)}"
+                    )
+                node = _node(index, namespace, tokens, nodes, e.end)
+                block = node.blocks.get(number)
+                if block is not None and block.start <= e.start:
+                    taken.append(pool.share(block))
+                else:
+                    keys = _array(image, e.key, 0, dtype)
+                    values = _array(image, e.key, 1, dtype)
+                    block = reservation.allocate(number, e.start, keys, values)
+                    made[block.id] = block
+                    index.attach(node, block)
                 out.append(block)
             layers.append(tuple(out))
         mx.eval([(b.keys, b.values) for b in made.values()])
-        blocks = AgentBlocks(tuple(layers), image.tokens)
+        blocks = AgentBlocks(tuple(layers), tokens, image.anchors)
         check_blocks(pool, blocks)  # the blocks must fit the spec exactly
     except BaseException:
         pool.free(made.values())
+        pool.free(taken)
+        for node in reversed(nodes):
+            index.prune(node)
         raise
     return blocks
+
+
+def _node(
+    index: PrefixIndex, namespace: Hashable, tokens: tuple[int, ...], nodes: list[Node], end: int
+) -> Node:
+    """The node of the block that ends at ``end`` (a kept boundary may end mid-chunk)."""
+    depth = (end - 1) // BLOCK_SIZE
+    if end % BLOCK_SIZE == 0 or end == len(tokens):
+        return nodes[depth]
+    return index.chain(namespace, tokens, end, nodes[:depth])[-1]
 
 
 def _as_bits(a: mx.array) -> mx.array:

@@ -17,7 +17,6 @@ from ..errors import (
     PoolExhaustedError,
     RuntimeClosedError,
 )
-from ._blocks import max_trim
 from ._engine import BlockPoolBatchEngine, TokenEvent
 from ._image import CacheImage, make_blocks, stored_ids, take_image
 from ._pool import AgentBlocks
@@ -27,6 +26,7 @@ from ._protocol import (
     Cancel,
     Commit,
     Forget,
+    Fork,
     Query,
     Release,
     Save,
@@ -50,6 +50,11 @@ class _Entry:
     busy: bool = False
     #: The serial of the agent's latest snapshot for the store.
     snapshot: int = 0
+    #: Ids of the agent's blocks whose data its saved cache already holds, and where.
+    stored: dict[int, str] = attrs.Factory(dict)
+    #: Which blocks the agent may share (every agent's, unless sharing is off: then
+    #: its own and its forks').
+    namespace: object = None
 
 
 class EngineLoop:
@@ -80,9 +85,8 @@ class EngineLoop:
         self._persistent = persistent_store
         self._dtype = engine.spec.layers[0].dtype
         self.agents: dict[str, _Entry] = {}
-        #: Ids of live blocks whose data is already in the store, and where.
-        self._stored: dict[int, str] = {}
         self.turns: dict[int, Turn] = {}
+        engine.make_room = self._make_room
         self.outbox: Outbox = []
         self.evictions = self.restores = 0
         self._serial = 0
@@ -141,15 +145,18 @@ class EngineLoop:
             # the blocks an earlier one wrote, and deletes the earlier chunks.
             entry = self.agents.get(command.agent)
             if self._persistent and entry is not None and entry.snapshot == command.serial:
-                for key, ref in command.refs.items():
-                    if self.pool.owns_id(key):
-                        self._stored[key] = ref
+                held = {b.id for b in entry.blocks.blocks()} if entry.blocks is not None else ()
+                entry.stored.update((k, ref) for k, ref in command.refs.items() if k in held)
         elif isinstance(command, Forget):
             entry = self.agents.pop(command.agent, None)
             if entry is not None and entry.blocks is not None:
-                self._free(entry.blocks)
+                self.pool.free(entry.blocks.blocks())
         elif isinstance(command, Adopt):
-            self.agents[command.agent] = _Entry(tokens=command.tokens)
+            self.agents[command.agent] = _Entry(
+                tokens=command.tokens, namespace=self._namespace(command.agent)
+            )
+        elif isinstance(command, Fork):
+            self._fork(command)
         elif isinstance(command, Query):
             self.outbox.append(("stats", command.reply, self.snapshot()))
 
@@ -158,8 +165,11 @@ class EngineLoop:
     def _entry(self, agent: str) -> _Entry:
         entry = self.agents.get(agent)
         if entry is None:
-            entry = self.agents[agent] = _Entry()
+            entry = self.agents[agent] = _Entry(namespace=self._namespace(agent))
         return entry
+
+    def _namespace(self, agent: str) -> object:
+        return None if self.engine.share_prefixes else agent
 
     def _admit(self, turn: Turn, image: CacheImage | None) -> None:
         entry = self._entry(turn.agent)
@@ -191,14 +201,9 @@ class EngineLoop:
 
     def _submit(self, turn: Turn, entry: _Entry) -> int:
         tokens, blocks = turn.tokens, entry.blocks
-        common = 0
-        if blocks is not None:
-            # Keep at least one token to feed: never match the whole prompt.
-            common = min(blocks.common_prefix(tokens), len(tokens) - 1)
-            if blocks.num_tokens - common > max_trim(self.engine.spec, blocks):
-                common = 0  # a sliding window has moved past the rewind: prefill it all
-        cache = blocks if common > 0 else None
-        trim = blocks.num_tokens - common if cache is not None and blocks is not None else 0
+        # The engine finds the longest prefix any live blocks hold; the agent's own
+        # blocks tell it which part is the agent's (and which shared with others).
+        common = min(blocks.common_prefix(tokens), len(tokens) - 1) if blocks is not None else 0
         on_token = None
         if turn.on_text is not None:
 
@@ -206,31 +211,46 @@ class EngineLoop:
                 if event.text:
                     self.outbox.append(("text", turn, event.text))
 
-        uid = self._with_room(
-            turn.agent,
-            lambda: self.engine.submit(
+        try:
+            uid = self.engine.submit(
                 turn.agent,
                 tokens[common:],
-                cache,
-                trim=trim,
+                blocks if common else None,
+                trim=blocks.num_tokens - common if blocks is not None and common else 0,
                 max_tokens=turn.max_tokens,
                 sampling=turn.sampling,
                 stop=turn.stop,
                 on_token=on_token,
-            ),
-        )
+                namespace=entry.namespace,
+            )
+        except PoolExhaustedError as exc:
+            raise _nothing_to_evict(exc) from None
+        admission = self.engine.admission(uid)
+        assert admission is not None
         self._log.info(
             "turn.admitted",
             agent=turn.agent,
             turn=turn.id,
             batch=self.engine.active,
-            prefill_tokens=len(tokens) - common,
-            cached_tokens=common,
+            prefill_tokens=admission.prefill_tokens,
+            cached_tokens=admission.cached_tokens,
+            shared_tokens=admission.shared_tokens,
             queued_ms=round((time.perf_counter() - turn.queued_at) * 1e3, 2),
             pool_used=self.pool.used_blocks,
             pool_free=self.pool.free_blocks,
         )
+        if admission.waits_for is not None:
+            self._log.info(
+                "turn.waiting",
+                agent=turn.agent,
+                turn=turn.id,
+                shared_tokens=admission.waits_tokens,
+                computed_by=admission.waits_for,
+            )
         return int(uid)
+
+    def _make_room(self, agent: str) -> bool:
+        return self._evict_one(exclude=agent)
 
     def _with_room(self, agent: str, attempt: Callable[[], Any]) -> Any:
         """Run ``attempt``; while the pool is short, move the least recently used idle
@@ -240,18 +260,18 @@ class EngineLoop:
                 return attempt()
             except PoolExhaustedError as exc:
                 if not self._evict_one(exclude=agent):
-                    raise PoolExhaustedError(
-                        f"{exc} Every cache left in the pool belongs to an agent with a turn "
-                        "in flight, so none could be moved to disk.",
-                        needed=exc.needed,
-                        free=exc.free,
-                    ) from None
+                    raise _nothing_to_evict(exc) from None
 
     def _evict_one(self, exclude: str) -> bool:
+        """Move the least recently used idle agent's cache to disk, among those whose
+        cache holds a block nobody else does (evicting the others frees nothing)."""
         idle = [
             (entry.last_used, name)
             for name, entry in self.agents.items()
-            if entry.blocks is not None and not entry.busy and name != exclude
+            if entry.blocks is not None
+            and not entry.busy
+            and name != exclude
+            and any(self.pool.references(b) == 1 for b in entry.blocks.blocks())
         ]
         if not idle:
             return False
@@ -261,7 +281,7 @@ class EngineLoop:
         started = time.perf_counter()
         image = self._take_image(entry)
         blocks = entry.blocks.num_blocks
-        self._free(entry.blocks)
+        self.pool.free(entry.blocks.blocks())
         entry.blocks = None
         self.evictions += 1
         self._log.info(
@@ -284,12 +304,18 @@ class EngineLoop:
             )
         reservation = self._with_room(agent, lambda: self.pool.reserve(image.num_blocks))
         try:
-            blocks = make_blocks(self.pool, image, reservation)
+            blocks = make_blocks(
+                self.pool,
+                image,
+                reservation,
+                index=self.engine.index,
+                namespace=entry.namespace,
+            )
         finally:
             reservation.release()
         entry.blocks = blocks
         if self._persistent:
-            self._stored.update(stored_ids(image, blocks))
+            entry.stored = stored_ids(image, blocks)
         self.restores += 1
         self._log.info(
             "blocks.restored",
@@ -305,13 +331,28 @@ class EngineLoop:
         assert entry.blocks is not None
         self._serial += 1
         entry.snapshot = self._serial
-        return take_image(entry.blocks, self._stored, self._dtype, self._serial)
+        return take_image(entry.blocks, entry.stored, self._dtype, self._serial)
 
-    def _free(self, blocks: AgentBlocks) -> None:
-        self.pool.free(blocks.blocks())
-        for b in blocks.blocks():
-            if not self.pool.owns(b):
-                self._stored.pop(b.id, None)
+    def _fork(self, command: Fork) -> None:
+        """A new agent holding the parent's cache by reference (or, on disk, to be read
+        from the parent's files)."""
+        parent = self._entry(command.parent)
+        child = self.agents[command.child] = _Entry(
+            tokens=parent.tokens,
+            blocks=self.engine.share(parent.blocks) if parent.blocks is not None else None,
+            last_used=time.perf_counter(),
+            namespace=parent.namespace,
+        )
+        blocks = child.blocks.num_blocks if child.blocks is not None else 0
+        self._log.info(
+            "agent.forked",
+            agent=command.child,
+            parent=command.parent,
+            cached_tokens=len(child.tokens),
+            shared_blocks=blocks,
+            pool_used=self.pool.used_blocks,
+        )
+        self.outbox.append(("forked", command, parent.blocks is None and bool(parent.tokens)))
 
     # -- the rest of a turn's life ---------------------------------------------------------
 
@@ -327,9 +368,13 @@ class EngineLoop:
     def _commit(self, command: Commit) -> None:
         entry = self._entry(command.agent)
         if entry.blocks is not None:
-            self._free(entry.blocks)
+            self.pool.free(entry.blocks.blocks())
         entry.blocks, entry.tokens = command.blocks, command.blocks.tokens
         entry.last_used, entry.busy = time.perf_counter(), False
+        if entry.stored:  # only the blocks it still holds can be referred to
+            entry.stored = {
+                b.id: entry.stored[b.id] for b in entry.blocks.blocks() if b.id in entry.stored
+            }
 
     def _save(self, command: Save) -> None:
         entry = self.agents.get(command.agent)
@@ -349,6 +394,13 @@ class EngineLoop:
                 self._entry(turn.agent).busy = False
                 self.outbox.append(("failed", turn, exc))
             return
+        for uid, error in engine.take_refused():
+            turn = self.turns.pop(uid)
+            self._entry(turn.agent).busy = False
+            self._log.info(
+                "turn.refused", agent=turn.agent, turn=turn.id, error=type(error).__name__
+            )
+            self.outbox.append(("failed", turn, error))
         info = engine.last_step
         if info is not None:
             self._log.debug(
@@ -370,6 +422,7 @@ class EngineLoop:
                 prefill_tokens=usage.prompt_tokens,
                 cached_tokens=usage.cached_tokens,
                 generated_tokens=usage.generated_tokens,
+                shared_tokens=usage.shared_tokens,
                 ttft_ms=round(result.ttft_s * 1e3, 1),
                 total_ms=round(result.total_s * 1e3, 1),
                 pool_used=self.pool.used_blocks,
@@ -377,13 +430,22 @@ class EngineLoop:
             self.outbox.append(("done", turn, result))
 
     def snapshot(self) -> SchedulerStatistics:
-        resident = [e for e in self.agents.values() if e.blocks is not None]
+        holders: dict[int, int] = {}
+        resident = 0
+        for entry in self.agents.values():
+            if entry.blocks is not None:
+                resident += 1
+                for b in entry.blocks.blocks():
+                    holders[b.id] = holders.get(b.id, 0) + 1
+        held = sum(holders.values())
         return SchedulerStatistics(
             pool=self.pool.statistics(),
             engine=self.engine.statistics(),
             turns_in_flight=len(self.turns),
-            resident_agents=len(resident),
-            resident_blocks=sum(e.blocks.num_blocks for e in resident if e.blocks is not None),
+            resident_agents=resident,
+            resident_blocks=len(holders),
+            agent_blocks=held,
+            shared_blocks=sum(1 for n in holders.values() if n > 1),
             agents_on_disk=sum(1 for e in self.agents.values() if e.blocks is None and e.tokens),
             evictions=self.evictions,
             restores=self.restores,
@@ -398,7 +460,7 @@ class EngineLoop:
         self.engine.close()
         for entry in self.agents.values():
             if entry.blocks is not None:
-                self._free(entry.blocks)
+                self.pool.free(entry.blocks.blocks())
                 entry.blocks = None
         for command in leftovers:
             if isinstance(command, (Release, Commit)):
@@ -413,4 +475,15 @@ class EngineLoop:
                 self.outbox.append(("stats", command.reply, final))
             elif isinstance(command, Save):
                 self.outbox.append(("save", command, None))
+            elif isinstance(command, Fork):
+                self.outbox.append(("forked", command, None))
         return final
+
+
+def _nothing_to_evict(exc: PoolExhaustedError) -> PoolExhaustedError:
+    return PoolExhaustedError(
+        f"{exc} Every cache left in the pool belongs to an agent with a turn in flight "
+        "(or is shared with one), so none could be moved to disk.",
+        needed=exc.needed,
+        free=exc.free,
+    )

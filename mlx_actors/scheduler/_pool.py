@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import mlx.core as mx
 
 from ..errors import InvalidRequestError, PoolExhaustedError
 from ._spec import ModelCacheSpec
+from ._tokens import common_prefix
+
+if TYPE_CHECKING:
+    from ._prefix import Node
 
 
 @attrs.define(eq=False, repr=False)
@@ -30,6 +35,8 @@ class KVBlock:
     start: int
     keys: mx.array | None
     values: mx.array | None
+    #: The prefix index's node for the tokens the block was computed from.
+    node: Node | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -50,12 +57,16 @@ class AgentBlocks:
 
     Immutable: every turn produces a new ``AgentBlocks``; the old one stays valid until
     its blocks are freed, which is what lets a failed turn leave the agent as it was.
+    Blocks may be shared with other agents (the pool counts references).
     """
 
     #: Per layer, its blocks in position order.
     layers: tuple[tuple[KVBlock, ...], ...]
     #: The token ids the cache holds, oldest first.
     tokens: tuple[int, ...]
+    #: Positions where a shared prefix ends whose sliding-window state the blocks keep
+    #: (beyond the window at the end), so that other agents can still start there.
+    anchors: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -71,12 +82,7 @@ class AgentBlocks:
 
     def common_prefix(self, tokens: Sequence[int]) -> int:
         """Length of the longest common prefix of the cached tokens and ``tokens``."""
-        n = 0
-        for a, b in zip(self.tokens, tokens, strict=False):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.tokens, tuple(tokens))
 
 
 @attrs.frozen(kw_only=True)
@@ -125,6 +131,7 @@ class BlockPool:
         self._reserved = 0
         self._peak = 0
         self._ids = itertools.count()
+        self._on_release: list[Callable[[KVBlock], None]] = []
 
     @classmethod
     def from_bytes(cls, spec: ModelCacheSpec, budget_bytes: int) -> BlockPool:
@@ -155,6 +162,11 @@ class BlockPool:
             shared_blocks=sum(1 for n in self._refs.values() if n > 1),
             block_bytes=self.spec.block_bytes,
         )
+
+    def on_release(self, callback: Callable[[KVBlock], None]) -> None:
+        """Call ``callback`` with every block the pool releases (its last reference
+        gone), before its arrays are dropped."""
+        self._on_release.append(callback)
 
     def reserve(self, n: int) -> Reservation:
         """Set ``n`` blocks aside for one turn.
@@ -199,6 +211,8 @@ class BlockPool:
             else:
                 del self._refs[block.id]
                 del self._live[block.id]
+                for callback in self._on_release:
+                    callback(block)
                 block.keys = block.values = None
 
     def owns(self, block: KVBlock) -> bool:
@@ -242,6 +256,17 @@ class Reservation:
             )
         self.remaining -= 1
         return self._pool._take_reserved(layer, start, keys, values)
+
+    def grow(self, n: int) -> None:
+        """Set ``n`` more blocks aside (raises :class:`PoolExhaustedError`)."""
+        self._pool.reserve(n)  # checks and counts them
+        self.remaining += n
+
+    def give(self, n: int, other: Reservation) -> None:
+        """Hand ``n`` of these blocks to ``other`` (the pool's count is unchanged)."""
+        n = min(n, self.remaining)
+        self.remaining -= n
+        other.remaining += n
 
     def release(self) -> None:
         self._pool._reserved -= self.remaining

@@ -53,9 +53,14 @@ class SchedulerStatistics:
     engine: EngineStatistics
     #: Turns queued or running now.
     turns_in_flight: int
-    #: Agents whose cache is in the pool, and the blocks they hold.
+    #: Agents whose cache is in the pool.
     resident_agents: int
+    #: Distinct blocks those agents hold (a block several agents share counts once).
     resident_blocks: int
+    #: Blocks those agents hold, counted once per agent holding them.
+    agent_blocks: int
+    #: Distinct blocks held by more than one agent.
+    shared_blocks: int
     #: Agents whose cache was moved to disk.
     agents_on_disk: int
     #: Caches moved to disk, and brought back, so far.
@@ -80,6 +85,10 @@ class CacheStore(Protocol):
     async def load(self, agent: str) -> CacheImage: ...
 
     async def drop(self, agent: str) -> None: ...
+
+    async def copy(self, agent: str, other: str) -> None:
+        """Make ``other``'s cache a copy of ``agent``'s (a fork of an evicted agent)."""
+        ...
 
     def where(self, agent: str) -> object:
         """Where the agent's cache is (named in errors)."""
@@ -142,6 +151,17 @@ class Adopt:
 
     agent: str
     tokens: tuple[int, ...]
+
+
+@attrs.frozen
+class Fork:
+    """A new agent starts with the parent's cache, by reference."""
+
+    parent: str
+    child: str
+    #: Called with whether the parent's cache is on disk (the child's must be copied
+    #: from the parent's files), or ``None`` if the runtime shut down first.
+    reply: Callable[[bool | None], None]
 
 
 @attrs.frozen

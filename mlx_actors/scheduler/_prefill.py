@@ -1,0 +1,77 @@
+"""Prefill jobs: a long or shared prompt prefilled by the engine itself, one chunk per step,
+so that it can stop where other sequences wait for its prefix and publish its cache there
+as blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from mlx.nn.layers.base import Module
+from mlx_lm.models.cache import make_prompt_cache
+
+from ._blocks import to_cache
+from ._pool import KVBlock, Reservation
+from ._prefix import Source
+from ._spec import BLOCK_SIZE, ModelCacheSpec
+
+
+@attrs.define(eq=False)
+class PrefillJob:
+    """The prefill of ``tokens[pos:end]`` onto the cache ``source`` holds.
+
+    Runs exactly as mlx-lm's ``generate_step`` prefills (the model on chunks of the
+    prompt, one sequence), outside the ``BatchGenerator``; the sequence joins the batch
+    with its last prompt token once the job is done. Other sequences whose prompts
+    share a prefix with it wait at a *checkpoint*: the job stops there, its cache is
+    cut into blocks (:meth:`BlockPoolBatchEngine._publish`), and they start from them.
+    """
+
+    namespace: Hashable
+    #: The whole prompt of the sequence the job prefills.
+    tokens: list[int]
+    #: Tokens the cache holds now.
+    pos: int
+    #: Where the job stops: the last prompt token is left for the batch.
+    end: int
+    #: The blocks the cache starts from.
+    source: Source
+    #: Blocks the job may make: its owner's, and what its checkpoints' waiters added.
+    reservation: Reservation
+    #: References it holds: the source's blocks, and the blocks it published.
+    held: list[KVBlock]
+    #: The sequence it prefills (``None`` once that sequence was cancelled).
+    owner: Any
+    cache: list[Any] | None = None
+    #: Positions where sequences wait for the prefix, and who waits there.
+    checkpoints: dict[int, list[Any]] = attrs.Factory(dict)
+    #: Positions it published blocks at.
+    published: list[int] = attrs.Factory(list)
+
+    def checkpoint(self, at: int, slack: int) -> tuple[int, bool]:
+        """Where a sequence that shares the first ``at`` tokens should wait: an existing
+        checkpoint a little before ``at`` in the same block, or a new one at ``at``.
+        Returns the position and whether it is new."""
+        for known in self.checkpoints:
+            if known <= at < known + slack and known // BLOCK_SIZE == at // BLOCK_SIZE:
+                return known, False
+        return at, True
+
+    def next_stop(self) -> int:
+        return min((at for at in self.checkpoints if at > self.pos), default=self.end)
+
+    def run_chunk(self, model: Module, spec: ModelCacheSpec, limit: int) -> int:
+        """Prefill up to ``limit`` tokens, stopping at the next checkpoint; returns how
+        many were prefilled."""
+        if self.cache is None:
+            length = self.source.length
+            self.cache = (
+                to_cache(spec, self.source.layers, length) if length else make_prompt_cache(model)
+            )
+        n = min(limit, self.next_stop() - self.pos)
+        model(mx.array(self.tokens[self.pos : self.pos + n])[None], cache=self.cache)
+        mx.eval([c.state for c in self.cache])
+        self.pos += n
+        return n

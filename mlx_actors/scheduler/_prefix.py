@@ -1,0 +1,259 @@
+"""The prefix index: every live cache block, found by the tokens it was computed from.
+
+The keys and values at a position depend only on the tokens up to it, so a block holding
+positions ``[256 d, e)`` of any layer belongs to the prefix ``tokens[:e]``. The index is a
+trie over 256-token chunks (vLLM's automatic prefix caching keys blocks by the same chain);
+each node holds, per layer, the live block computed for its prefix. A turn of any agent
+finds the longest prefix of its tokens that live blocks can rebuild a cache for
+(:meth:`PrefixIndex.find`), and a finished cache is cut into blocks that reuse what the
+index already holds. Nodes are matched by their tokens, never by a hash alone, so two
+different prefixes can never share a block. The pool owns the blocks' lifetimes and tells
+the index when one is released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import attrs
+
+from ._pool import KVBlock
+from ._spec import BLOCK_SIZE, LayerKind, ModelCacheSpec
+from ._tokens import common_prefix
+
+
+@attrs.define(eq=False, repr=False)
+class Node:
+    """One chunk of a prefix: positions ``[256 depth, 256 depth + len(tokens))``."""
+
+    parent: Node | None
+    #: Which 256-token chunk of the history this is (-1 for a root).
+    depth: int
+    #: The chunk's tokens (1 to 256 of them; none for a root).
+    tokens: tuple[int, ...]
+    #: Per layer, the live block computed for this prefix.
+    blocks: dict[int, KVBlock] = attrs.Factory(dict)
+    #: Longer prefixes, by their next chunk's tokens.
+    children: dict[tuple[int, ...], Node] = attrs.Factory(dict)
+
+    @property
+    def start(self) -> int:
+        return self.depth * BLOCK_SIZE
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) == BLOCK_SIZE
+
+    def __repr__(self) -> str:
+        return f"Node(tokens=[{self.start}, {self.end}), layers={sorted(self.blocks)})"
+
+
+#: Positions ``[start, end)`` of a block, as used for one sequence.
+Piece = tuple[KVBlock, int, int]
+
+
+@attrs.frozen(kw_only=True)
+class Source:
+    """Where a sequence's cache comes from: its first ``length`` tokens, rebuilt from
+    pieces of live blocks (any agent's)."""
+
+    #: Tokens the blocks hold for the sequence (0: nothing to reuse).
+    length: int
+    #: Per layer, the pieces covering what the layer needs at ``length``, in order.
+    layers: tuple[tuple[Piece, ...], ...]
+    #: The trie nodes of the whole chunks within ``length``, from depth 0.
+    path: tuple[Node, ...] = ()
+
+    def blocks(self) -> list[KVBlock]:
+        """The distinct blocks the pieces come from."""
+        seen: dict[int, KVBlock] = {}
+        for layer in self.layers:
+            for block, _, _ in layer:
+                seen.setdefault(block.id, block)
+        return list(seen.values())
+
+
+class PrefixIndex:
+    """Live blocks by the prefix they were computed from, in separate namespaces (an
+    agent that shares nothing has a namespace of its own).
+
+    At most one block per layer is indexed per node (the one holding the most of it);
+    the engine cuts and restores caches through the index, so an equal block is shared
+    rather than made twice. Not thread-safe: the engine thread owns it.
+    """
+
+    def __init__(self, spec: ModelCacheSpec) -> None:
+        self.spec = spec
+        self._roots: dict[Hashable, Node] = {}
+        self._sliding = any(layer.kind is LayerKind.SLIDING for layer in spec.layers)
+
+    def root(self, namespace: Hashable) -> Node:
+        node = self._roots.get(namespace)
+        if node is None:
+            node = self._roots[namespace] = Node(None, -1, ())
+        return node
+
+    @property
+    def nodes(self) -> int:
+        """Nodes in the trie (for tests and statistics)."""
+        count, stack = 0, list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(node.children.values())
+        return count
+
+    # -- blocks in and out ---------------------------------------------------------------
+
+    def attach(self, node: Node, block: KVBlock) -> None:
+        """Index ``block`` (made for ``node``'s prefix) unless a block holding more of the
+        node is already indexed for its layer."""
+        block.node = node
+        held = node.blocks.get(block.layer)
+        if held is None or block.start < held.start:
+            node.blocks[block.layer] = block
+
+    def detach(self, block: KVBlock) -> None:
+        """The pool released ``block``: forget it, and the nodes left empty."""
+        node = block.node
+        block.node = None
+        if node is None or node.blocks.get(block.layer) is not block:
+            return
+        del node.blocks[block.layer]
+        self.prune(node)
+
+    def prune(self, node: Node) -> None:
+        """Remove ``node`` and its ancestors while they hold no block and no child."""
+        while node.parent is not None and not node.blocks and not node.children:
+            if node.parent.children.get(node.tokens) is not node:
+                return  # already removed
+            del node.parent.children[node.tokens]
+            node = node.parent
+
+    def chain(
+        self,
+        namespace: Hashable,
+        tokens: Sequence[int],
+        end: int,
+        known: Sequence[Node] = (),
+    ) -> list[Node]:
+        """The nodes of ``tokens[:end]``, one per chunk (the last may be partial), made
+        where missing. ``known`` are the first nodes of the chain, found before."""
+        nodes = list(known[: end // BLOCK_SIZE])
+        parent = nodes[-1] if nodes else self.root(namespace)
+        for start in range(len(nodes) * BLOCK_SIZE, end, BLOCK_SIZE):
+            chunk = tuple(tokens[start : min(start + BLOCK_SIZE, end)])
+            node = parent.children.get(chunk)
+            if node is None:
+                node = parent.children[chunk] = Node(parent, parent.depth + 1, chunk)
+            nodes.append(node)
+            parent = node
+        return nodes
+
+    # -- finding a prefix -----------------------------------------------------------------
+
+    def find(self, namespace: Hashable, tokens: Sequence[int], limit: int) -> Source:
+        """The longest prefix of ``tokens``, at most ``limit`` tokens, that live blocks
+        hold for every layer: all of it for global layers, its last ``window`` tokens
+        for sliding-window ones."""
+        levels, path = self._walk(namespace, tokens)
+        # Per layer, every block that agrees with the tokens, and up to where.
+        spans: list[list[tuple[KVBlock, int]]] = [[] for _ in self.spec.layers]
+        for level in levels:
+            for node, usable in level:
+                for layer, block in node.blocks.items():
+                    spans[layer].append((block, node.start + usable))
+        runs = [_runs(layer_spans) for layer_spans in spans]
+        length = self._servable(runs, limit)
+        if length == 0:
+            return Source(length=0, layers=tuple(() for _ in self.spec.layers))
+        layers = []
+        for spec, layer_spans in zip(self.spec.layers, spans, strict=True):
+            lo = 0 if spec.window is None else max(0, length - spec.window)
+            layers.append(_cover(layer_spans, lo, length))
+        return Source(length=length, layers=tuple(layers), path=tuple(path[: length // BLOCK_SIZE]))
+
+    def _walk(
+        self, namespace: Hashable, tokens: Sequence[int]
+    ) -> tuple[list[list[tuple[Node, int]]], list[Node]]:
+        """Per chunk of ``tokens``, the nodes whose tokens agree with it (and for how many
+        tokens); and the nodes of the whole chunks matched."""
+        levels: list[list[tuple[Node, int]]] = []
+        path: list[Node] = []
+        node = self._roots.get(namespace)
+        start = 0
+        while node is not None and node.children and start < len(tokens):
+            chunk = tuple(tokens[start : start + BLOCK_SIZE])
+            exact = node.children.get(chunk)
+            level: list[tuple[Node, int]] = []
+            if exact is not None:
+                level.append((exact, len(chunk)))
+            if exact is None or self._sliding:
+                # Shorter nodes at this depth (other histories' last chunks, kept
+                # boundaries) can serve what the whole chunk's blocks no longer hold.
+                for other in node.children.values():
+                    if other is not exact:
+                        n = common_prefix(other.tokens, chunk)
+                        if n:
+                            level.append((other, n))
+            if level:
+                levels.append(level)
+            if exact is None or not exact.full:
+                break
+            path.append(exact)
+            node = exact
+            start += BLOCK_SIZE
+        return levels, path
+
+    def _servable(self, runs: list[list[tuple[int, int]]], limit: int) -> int:
+        """The largest ``x <= limit`` at which every layer's runs cover what it needs."""
+        candidates = {limit}
+        for layer_runs in runs:
+            candidates.update(min(end, limit) for _, end in layer_runs)
+        for x in sorted(candidates, reverse=True):
+            if x <= 0:
+                break
+            if all(
+                _covers(layer_runs, 0 if spec.window is None else max(0, x - spec.window), x)
+                for spec, layer_runs in zip(self.spec.layers, runs, strict=True)
+            ):
+                return x
+        return 0
+
+
+def _runs(spans: list[tuple[KVBlock, int]]) -> list[tuple[int, int]]:
+    """Maximal stretches ``[start, end)`` of positions the spans cover."""
+    runs: list[tuple[int, int]] = []
+    for start, end in sorted((block.start, end) for block, end in spans):
+        if runs and start <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], end))
+        else:
+            runs.append((start, end))
+    return runs
+
+
+def _covers(runs: list[tuple[int, int]], lo: int, hi: int) -> bool:
+    return any(start <= lo and hi <= end for start, end in runs)
+
+
+def _cover(spans: list[tuple[KVBlock, int]], lo: int, hi: int) -> tuple[Piece, ...]:
+    """Pieces of the spans covering ``[lo, hi)``, each point from the span reaching
+    furthest (the caller checked that they cover it)."""
+    ordered = sorted(spans, key=lambda span: span[0].start)
+    pieces: list[Piece] = []
+    at, i = lo, 0
+    best: tuple[KVBlock, int] | None = None
+    while at < hi:
+        while i < len(ordered) and ordered[i][0].start <= at:
+            if best is None or ordered[i][1] > best[1]:
+                best = ordered[i]
+            i += 1
+        assert best is not None and best[1] > at, "the spans do not cover the range"
+        end = min(best[1], hi)
+        pieces.append((best[0], at, end))
+        at = end
+    return tuple(pieces)
