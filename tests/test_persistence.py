@@ -25,7 +25,7 @@ from mlx_actors.errors import (
     PoolExhaustedError,
     StateInUseError,
 )
-from mlx_actors.runtime import _disk
+from mlx_actors.runtime import _store
 from mlx_actors.testing import tiny_config, write_random_model
 
 from .conftest import Loaded, ReferenceChat, reference, render
@@ -75,7 +75,7 @@ async def test_evicted_caches_come_back_exactly(
         stats = await rt.stats()
         on_disk = sorted(a.name for a in rt.agents.values() if a.statistics().on_disk)
         assert rt.cache_dir is not None
-        files = sorted(p.name for p in rt.cache_dir.iterdir())
+        files = sorted(p.parent.name for p in rt.cache_dir.glob("*/index.json"))
     assert {k: r.tokens for k, r in tight.items()} == {k: r.tokens for k, r in roomy.items()}
     assert stats.evictions > 5 and stats.restores > 5
     assert stats.pool.used_blocks == stats.resident_blocks  # nothing else holds blocks
@@ -169,7 +169,7 @@ async def test_a_corrupt_cache_is_a_clear_error_then_the_agent_starts_over(
     state = tmp_path / "state"
     async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
         await converse(rt, ["ann"], range(2))
-    (chunk,) = (state / "caches" / "ann").glob("chunk-*.safetensors")
+    (chunk,) = (state / "caches" / "_blocks").glob("chunk-*.safetensors")
     chunk.write_bytes(chunk.read_bytes()[:-100])  # truncated
     async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
         ann = rt.agent("ann")
@@ -219,7 +219,7 @@ async def test_a_cache_that_does_not_fit_is_an_error_then_the_agent_starts_over(
     index = json.loads(where.read_text())
     index["dtype"] = "float16" if index["dtype"] != "float16" else "float32"
     del index["sha256"]
-    index["sha256"] = _disk._digest(index)
+    index["sha256"] = _store.index_digest(index)
     where.write_text(json.dumps(index))
     async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
         ann = rt.agent("ann")
@@ -246,7 +246,7 @@ async def test_a_failed_eviction_write_lets_the_agent_start_over(
         gate.wait(30)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_disk.DiskCacheStore, "_save", failing_save)
+    monkeypatch.setattr(_store.DiskCacheStore, "_save", failing_save)
     trace = tmp_path / "run.jsonl"
     # Five blocks: one agent's cache (three) and not quite room for another turn.
     async with Runtime(tiny_dir, pool_blocks=5, log_level="off", trace=trace) as rt:
@@ -340,9 +340,10 @@ async def test_a_save_killed_halfway_leaves_the_previous_state_loadable(
         # A cache whose index was written before the kill is complete, and it is used.
         assert (reply.usage.cached_tokens > 0) == had_cache
     assert not list(state.rglob("*.tmp"))
-    (cache,) = (state / "caches").iterdir()
-    listed = json.loads((cache / "index.json").read_text())["chunks"]
-    assert sorted(p.name for p in cache.iterdir()) == sorted([*listed, "index.json"])
+    caches = state / "caches"
+    listed = json.loads((caches / "ann" / "index.json").read_text())["chunks"]
+    assert sorted(p.name for p in (caches / "_blocks").iterdir()) == sorted(listed)
+    assert sorted(p.name for p in caches.iterdir()) == ["_blocks", "ann"]
 
 
 async def test_saves_racing_turns_leave_a_loadable_state(tiny_dir: Path, tmp_path: Path) -> None:
@@ -398,7 +399,11 @@ async def test_two_hundred_agents_through_a_pool_for_twenty(tiny_dir: Path) -> N
             stats = await rt.stats()
             on_disk = sorted(a.name for a in rt.agents.values() if a.statistics().on_disk)
             assert rt.cache_dir is not None
-            files = sorted(p.name for p in rt.cache_dir.iterdir()) if rt.cache_dir.exists() else []
+            files = (
+                sorted(p.parent.name for p in rt.cache_dir.glob("*/index.json"))
+                if rt.cache_dir.exists()
+                else []
+            )
         return replies, stats, on_disk, files
 
     roomy, _, _, _ = await run(4000)
@@ -440,4 +445,4 @@ async def test_a_closed_agent_leaves_no_files(tiny_dir: Path, tmp_path: Path) ->
             tg.start_soon(ann.close)
         await rt.flush()
     assert list((state / "agents").iterdir()) == []
-    assert not (state / "caches").exists() or list((state / "caches").iterdir()) == []
+    assert [p for p in (state / "caches").rglob("*") if p.is_file()] == []

@@ -4,6 +4,7 @@ once and freed with their last holder; every reply stays token-identical to mlx-
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -343,3 +344,62 @@ async def test_a_fork_holds_the_parent_cache_by_reference(tiny: Loaded, tiny_dir
             await writer.fork("again")
         stats = await rt.stats()
         assert stats.pool.used_blocks == 0
+
+
+def test_a_state_directory_stores_a_shared_block_once_and_a_restart_shares_it_again(
+    family: Loaded, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    follow_up = "Sum it up in one line."
+
+    async def go_on(rt: Runtime) -> dict[str, Any]:  # one after another: each restored
+        return {name: await rt.agent(name).ask(follow_up) for name in sorted(rt.agents)}
+
+    async def first() -> dict[str, list[Any]]:
+        replies, _, _ = await team(family.path, pool_blocks=400, state_dir=state)
+        return replies
+
+    async def restarted() -> tuple[dict[str, Any], Any]:
+        async with Runtime(family.path, pool_blocks=400, log_level="off", state_dir=state) as rt:
+            replies = await go_on(rt)
+            return replies, await rt.stats()
+
+    async def uninterrupted() -> dict[str, Any]:
+        replies: dict[str, Any] = {}
+        async with Runtime(family.path, pool_blocks=400, log_level="off") as rt:
+            agents = [
+                await rt.spawn(
+                    f"critic{i}", system=f"{TEAM_BRIEF}\nYou are critic {i}.", max_tokens=12
+                )
+                for i in range(3)
+            ]
+            async with anyio.create_task_group() as tg:
+                for agent in agents:
+                    tg.start_soon(agent.ask, "What worries you most?")
+            second = await agents[0].fork("second_opinion")
+            async with anyio.create_task_group() as tg:
+                for agent in [*agents, second]:
+                    tg.start_soon(agent.ask, f"And what would {agent.name} do first?")
+            replies = await go_on(rt)
+        return replies
+
+    saved = anyio.run(first)
+    # every block is stored once: one place per content key, whichever agents hold it
+    places: dict[str, set[str]] = {}
+    entries = 0
+    for index_file in (state / "caches").glob("*/index.json"):
+        for row in json.loads(index_file.read_text())["layers"]:
+            for _, _, ref, key in row:
+                places.setdefault(key, set()).add(ref)
+                entries += 1
+    assert all(len(refs) == 1 for refs in places.values())
+    assert len(places) < entries  # the brief's blocks are listed by every critic
+    assert len(list((state / "caches").glob("*/index.json"))) == len(saved)
+    replies, stats = anyio.run(restarted)
+    expected_replies = anyio.run(uninterrupted)
+    assert {n: r.tokens for n, r in replies.items()} == {
+        n: r.tokens for n, r in expected_replies.items()
+    }
+    # the caches came back as shared blocks, not as copies
+    assert stats.restores == len(saved) and stats.shared_bytes > 0
+    assert stats.pool.used_blocks == stats.resident_blocks

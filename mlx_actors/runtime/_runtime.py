@@ -17,9 +17,9 @@ from anyio.abc import TaskGroup
 from ..actors import Agent, Message, TurnOptions, check_name
 from ..errors import InvalidRequestError, RuntimeClosedError, UnknownAgentError
 from ..scheduler import PoolStatistics, Scheduler
-from ._disk import DiskCacheStore
 from ._models import load_model
 from ._state import AgentRecord, StateDir
+from ._store import DiskCacheStore
 from ._trace import Trace, logging_to
 
 

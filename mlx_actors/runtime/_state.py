@@ -20,7 +20,8 @@ from ..errors import (
     StateInUseError,
 )
 from ._default import sha256_of
-from ._disk import FORMAT, DiskCacheStore, make_dir, read_json, write_json
+from ._disk import FORMAT, make_dir, read_json, write_json
+from ._store import DiskCacheStore
 
 #: ``persist=`` values: save after every turn, or only when leaving the runtime.
 PERSIST_MODES = ("turn", "exit")

@@ -175,10 +175,11 @@ def _array(image: CacheImage, key: int, which: int, dtype: mx.Dtype) -> mx.array
 
 
 def stored_ids(image: CacheImage, blocks: AgentBlocks) -> dict[int, str]:
-    """Ids of ``blocks`` (made from ``image``) mapped to where the image says they are."""
+    """Ids of ``blocks`` (made from ``image``) mapped to where the image says they are (a
+    block shared from the pool that holds more than the saved one is not stored)."""
     refs: dict[int, str] = {}
     for entries, layer_blocks in zip(image.layers, blocks.layers, strict=True):
         for e, b in zip(entries, layer_blocks, strict=True):
-            if e.ref is not None:
+            if e.ref is not None and (e.start, e.end) == (b.start, b.end):
                 refs[b.id] = e.ref
     return refs

@@ -1,0 +1,352 @@
+"""Agents' caches on disk: chunk files of blocks shared by every agent, and one index per
+agent listing its blocks; a block is stored once, however many agents hold it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+from ..errors import CorruptStateError
+from ..scheduler import BLOCK_SIZE, BlockEntry, CacheImage
+from ._disk import (
+    make_dir,
+    piecewise_sha256,
+    read_json,
+    read_safetensors,
+    safetensors_bytes,
+    write_atomic,
+    write_json,
+)
+
+#: The format of cache indexes (1 kept the chunks in each agent's directory).
+CACHE_FORMAT = 2
+#: The directory of the chunks (not an agent name: those start with a letter).
+BLOCKS = "_blocks"
+_CHUNK = re.compile(r"chunk-(\d+)\.safetensors")
+
+
+def index_digest(index: Mapping[str, Any]) -> str:
+    """The checksum an index carries (over everything but itself)."""
+    return hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
+
+
+def content_keys(tokens: Sequence[int], blocks: Iterable[tuple[int, int, int]]) -> list[str]:
+    """A key per block ``(layer, start, end)``: what it holds is fixed by the model, the
+    tokens up to its end, its layer and its first position, so two agents' blocks with
+    the same key hold the same keys and values. The tokens are hashed in a chain over
+    256-token chunks, as the engine's prefix index walks them."""
+    data = np.asarray(tokens, dtype="<u4")
+    chain = [hashlib.sha256(b"mlx-actors blocks").digest()]
+    keys = []
+    for layer, start, end in blocks:
+        depth = (end - 1) // BLOCK_SIZE
+        while len(chain) <= depth:
+            k = len(chain) - 1
+            piece = data[k * BLOCK_SIZE : (k + 1) * BLOCK_SIZE].tobytes()
+            chain.append(hashlib.sha256(chain[k] + piece).digest())
+        digest = hashlib.sha256(chain[depth] + data[depth * BLOCK_SIZE : end].tobytes())
+        keys.append(f"{digest.hexdigest()}:{layer}:{start}")
+    return keys
+
+
+class DiskCacheStore:
+    """Agents' caches under ``root``: ``root/_blocks/chunk-N.safetensors`` hold blocks,
+    ``root/<agent>/index.json`` lists an agent's blocks (layer, positions, where each is,
+    what it holds) and the checksum of each chunk it uses.
+
+    A save writes one new chunk with the blocks no chunk holds yet (a block another
+    agent saved is found by what it holds and referred to), then the index, last and
+    atomically, so a cache on disk is always complete. A chunk is deleted when no index
+    lists it any more; the store counts which agents use which chunk (one runtime has the
+    directory), and at the first use deletes the chunks no index lists (what a process
+    killed between the two writes left). All file work runs on worker threads.
+
+    Args:
+        root: the directory (created if missing).
+        persistent: whether a cache stays after it is loaded back (a state directory)
+            or is deleted (a swap area for caches evicted from the pool).
+    """
+
+    def __init__(self, root: Path, *, persistent: bool) -> None:
+        self.root = root
+        self.blocks = root / BLOCKS
+        self.persistent = persistent
+        self._lock = threading.Lock()
+        self._ready = False
+        self._uses: dict[str, set[str]] = {}  # agent -> chunks its index lists
+        self._users: dict[str, set[str]] = {}  # chunk -> agents whose index lists it
+        self._content: dict[str, str] = {}  # content key -> where the block is
+        self._keys: dict[str, set[str]] = {}  # chunk -> content keys it holds
+        self._sha: dict[str, str] = {}  # chunk -> its checksum
+        self._writing: dict[str, threading.Event] = {}  # chunks being written
+        self._next = 1
+
+    # -- the async face ------------------------------------------------------------------
+
+    def agents(self) -> list[str]:
+        """Agents with a cache on disk."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.parent.name for p in self.root.glob("*/index.json"))
+
+    def tokens(self, agent: str) -> tuple[int, ...]:
+        index = self._index(agent)
+        return tuple(index["tokens"]) if index is not None else ()
+
+    async def save(self, agent: str, image: CacheImage) -> Mapping[int, str]:
+        return await anyio.to_thread.run_sync(self._save, agent, image)
+
+    async def load(self, agent: str) -> CacheImage:
+        return await anyio.to_thread.run_sync(self._load, agent)
+
+    async def drop(self, agent: str) -> None:
+        await anyio.to_thread.run_sync(self._drop, agent)
+
+    async def copy(self, agent: str, other: str) -> None:
+        await anyio.to_thread.run_sync(self._copy, agent, other)
+
+    def where(self, agent: str) -> Path:
+        """The index file of the agent's cache."""
+        return self.root / agent / "index.json"
+
+    # -- indexes ---------------------------------------------------------------------------
+
+    def _index(self, agent: str) -> dict[str, Any] | None:
+        """The agent's index, checked (``None`` if it has none, or one of an older
+        format, which the first use of the store deletes)."""
+        path = self.where(agent)
+        if not path.is_file():
+            return None
+        try:
+            index = read_json(path)
+        except OSError as exc:
+            raise CorruptStateError(f"{path} cannot be read: {exc}") from exc
+        if isinstance(index, dict) and index.get("format") == 1:
+            return None
+        if not isinstance(index, dict) or index.get("format") != CACHE_FORMAT:
+            raise CorruptStateError(f"{path} is not a cache index of format {CACHE_FORMAT}")
+        if index.pop("sha256", None) != index_digest(index) or index.get("agent") != agent:
+            raise CorruptStateError(f"{path} does not match its checksum: corrupt or edited")
+        return index
+
+    def _ensure_ready(self) -> None:
+        """Learn which agents use which chunks (under the lock, once)."""
+        if self._ready:
+            return
+        make_dir(self.blocks)
+        all_read = True
+        for agent in self.agents():
+            try:
+                index = self._index(agent)
+            except CorruptStateError:
+                all_read = False  # its agent's next turn reports it
+                continue
+            if index is None:  # an older format: its chunks were in its directory
+                shutil.rmtree(self.root / agent, ignore_errors=True)
+                continue
+            self._use(agent, index)
+        numbers = [
+            int(m.group(1)) for p in self.blocks.iterdir() if (m := _CHUNK.fullmatch(p.name))
+        ]
+        self._next = max(numbers, default=0) + 1
+        if all_read:  # what a process killed between a chunk and its index left
+            for path in self.blocks.iterdir():
+                if path.name not in self._users:
+                    path.unlink(missing_ok=True)
+        self._ready = True
+
+    def _use(self, agent: str, index: Mapping[str, Any]) -> None:
+        chunks = set(index["chunks"])
+        self._uses[agent] = chunks
+        for chunk in chunks:
+            self._users.setdefault(chunk, set()).add(agent)
+            self._sha.setdefault(chunk, str(index["chunks"][chunk]))
+        for row in index["layers"]:
+            for _, _, ref, key in row:
+                chunk = ref.split(":")[0]
+                self._content.setdefault(key, ref)
+                self._keys.setdefault(chunk, set()).add(key)
+
+    def _release(self, agent: str, chunks: Iterable[str]) -> None:
+        """``agent`` no longer lists ``chunks``: delete those nobody lists."""
+        for chunk in chunks:
+            users = self._users.get(chunk)
+            if users is None:
+                continue
+            users.discard(agent)
+            if not users:
+                del self._users[chunk]
+                self._sha.pop(chunk, None)
+                for key in self._keys.pop(chunk, ()):
+                    if self._content.get(key, "").startswith(f"{chunk}:"):
+                        del self._content[key]
+                (self.blocks / chunk).unlink(missing_ok=True)
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def _save(self, agent: str, image: CacheImage) -> dict[int, str]:
+        entries = [e for row in image.layers for e in row]
+        keys = content_keys(image.tokens, ((e.layer, e.start, e.end) for e in entries))
+        refs: dict[int, str] = {}
+        missing: dict[int, str] = {}  # block -> content key, for blocks no chunk holds
+        with self._lock:
+            self._ensure_ready()
+            old = self._uses.get(agent, set())
+            chunk = f"chunk-{self._next}.safetensors"
+            for e, key in zip(entries, keys, strict=True):
+                ref = e.ref if e.ref is not None and e.ref.split(":")[0] in old else None
+                ref = ref or self._content.get(key)
+                if ref is not None:
+                    refs[e.key] = ref
+                elif e.key not in image.arrays:
+                    raise CorruptStateError(
+                        f"block {e.key} of agent {agent!r} is in no chunk and was not given"
+                    )
+                elif e.key not in missing:
+                    # Claimed now, so that a save running beside this one refers to it
+                    # (and waits for the chunk) instead of writing it again.
+                    missing[e.key] = key
+                    refs[e.key] = self._content[key] = f"{chunk}:{len(missing) - 1}"
+                    self._keys.setdefault(chunk, set()).add(key)
+            if missing:
+                self._next += 1
+                self._writing[chunk] = threading.Event()
+            listed = {ref.split(":")[0] for ref in refs.values()}
+            waits = [self._writing[c] for c in listed - {chunk} if c in self._writing]
+            for name in listed:  # pinned: no other agent's save deletes them meanwhile
+                self._users.setdefault(name, set()).add(agent)
+        try:
+            if missing:
+                try:
+                    self._write_chunk(chunk, image, missing)
+                finally:
+                    self._writing.pop(chunk).set()
+            for event in waits:
+                event.wait()
+            with self._lock:
+                gone = [c for c in listed if c not in self._sha]
+                if gone:
+                    raise OSError(f"the chunks {gone} this cache shares could not be written")
+                sums = {name: self._sha[name] for name in listed}
+            index: dict[str, Any] = {
+                "format": CACHE_FORMAT,
+                "agent": agent,
+                "dtype": image.dtype,
+                "tokens": list(image.tokens),
+                "anchors": list(image.anchors),
+                "layers": _rows(image.layers, refs, keys),
+                "chunks": {name: sums[name] for name in sorted(listed)},
+            }
+            index["sha256"] = index_digest(index)
+            make_dir(self.root / agent)
+            write_json(self.where(agent), index)
+        except BaseException:
+            with self._lock:
+                self._release(agent, listed - old)
+            raise
+        with self._lock:
+            self._uses[agent] = listed
+            self._release(agent, old - listed)
+        return refs
+
+    def _write_chunk(self, chunk: str, image: CacheImage, blocks: Mapping[int, str]) -> None:
+        """Write ``blocks`` of ``image`` as ``chunk`` (the tensors numbered in order);
+        if that fails, forget what it was to hold."""
+        try:
+            tensors = {}
+            for number, block in enumerate(blocks):
+                k, v = image.arrays[block]
+                tensors[f"{number}.keys"], tensors[f"{number}.values"] = k, v
+            meta = {"format": str(CACHE_FORMAT)}
+            data = b"".join(safetensors_bytes(tensors, image.dtype, meta))
+            sha = piecewise_sha256(data)
+            write_atomic(self.blocks / chunk, data)
+        except BaseException:
+            with self._lock:
+                for key in self._keys.pop(chunk, ()):
+                    if self._content.get(key, "").startswith(f"{chunk}:"):
+                        del self._content[key]
+            raise
+        with self._lock:
+            self._sha[chunk] = sha
+
+    # -- the rest ----------------------------------------------------------------------------
+
+    def _drop(self, agent: str) -> None:
+        with self._lock:
+            self._ensure_ready()
+            shutil.rmtree(self.root / agent, ignore_errors=True)
+            self._release(agent, self._uses.pop(agent, set()))
+
+    def _copy(self, agent: str, other: str) -> None:
+        """``other``'s cache becomes ``agent``'s: the same chunks, its own index."""
+        with self._lock:
+            self._ensure_ready()
+            index = self._index(agent)
+            if index is None:
+                raise CorruptStateError(f"{self.where(agent)} is missing")
+            self._release(other, self._uses.pop(other, set()))
+            index["agent"] = other
+            index["sha256"] = index_digest({k: v for k, v in index.items() if k != "sha256"})
+            make_dir(self.root / other)
+            write_json(self.where(other), index)
+            self._use(other, index)
+
+    def _load(self, agent: str) -> CacheImage:
+        index = self._index(agent)
+        where = self.where(agent)
+        if index is None:
+            raise CorruptStateError(f"{where} is missing")
+        try:
+            chunks = {
+                name: read_safetensors(self.blocks / name, sha)[0]
+                for name, sha in index["chunks"].items()
+            }
+            keys: dict[str, int] = {}
+            arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            layers = []
+            for number, row in enumerate(index["layers"]):
+                entries = []
+                for start, end, ref, _ in row:
+                    key = keys.get(ref)
+                    if key is None:
+                        key = keys[ref] = len(keys)
+                        name, tensor = ref.split(":")
+                        arrays[key] = (
+                            chunks[name][f"{tensor}.keys"],
+                            chunks[name][f"{tensor}.values"],
+                        )
+                    entries.append(
+                        BlockEntry(layer=number, start=int(start), end=int(end), key=key, ref=ref)
+                    )
+                layers.append(tuple(entries))
+            tokens = tuple(int(t) for t in index["tokens"])
+            anchors = tuple(int(a) for a in index.get("anchors", ()))
+            dtype = str(index["dtype"])
+        except OSError as exc:
+            raise CorruptStateError(f"a chunk listed by {where} cannot be read: {exc}") from exc
+        except (AttributeError, KeyError, ValueError, TypeError) as exc:
+            raise CorruptStateError(f"{where} does not describe its chunks: {exc!r}") from exc
+        return CacheImage(
+            tokens=tokens, layers=tuple(layers), dtype=dtype, arrays=arrays, anchors=anchors
+        )
+
+
+def _rows(
+    layers: Sequence[Sequence[BlockEntry]], refs: Mapping[int, str], keys: list[str]
+) -> list[list[list[Any]]]:
+    """The index's layers: per block, its positions, where it is and what it holds."""
+    rows, at = [], 0
+    for entries in layers:
+        rows.append([[e.start, e.end, refs[e.key], keys[at + i]] for i, e in enumerate(entries)])
+        at += len(entries)
+    return rows
