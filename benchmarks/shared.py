@@ -35,13 +35,15 @@ from mlx_actors import Runtime
 from mlx_actors.scheduler import BLOCK_SIZE
 
 QUESTION = "What is your verdict on the plan?"
-TOPICS = "cost safety schools traffic water noise trees housing jobs power rail fish art law health time"
+TOPICS = (
+    "cost safety schools traffic water noise trees housing jobs power rail fish art law health time"
+)
 
 
 def brief(tokens: int, seed: int) -> str:
     """About ``tokens`` tokens of text (the test models' tokenizer has a token per byte)."""
     rng = random.Random(seed)
-    words = "the plan harbour district council budget ground residents market yard".split()
+    words = ["the", "plan", "harbour", "district", "council", "budget", "ground", "residents"]
     text = ""
     while len(text) < tokens:
         text += rng.choice(words) + " "
@@ -49,7 +51,7 @@ def brief(tokens: int, seed: int) -> str:
 
 
 def personas(n: int) -> list[str]:
-    return [f"You are critic {i}, who cares about {t}." for i, t in enumerate(TOPICS.split()[:n])]
+    return [f"You are critic {i}, who cares about {t}." for i, t in enumerate(TOPICS[:n])]
 
 
 async def round_(rt: Runtime, text: str, n: int, max_tokens: int, tag: str) -> dict[str, Any]:
@@ -83,11 +85,15 @@ async def round_(rt: Runtime, text: str, n: int, max_tokens: int, tag: str) -> d
 
 
 async def actors(model: Path, args: argparse.Namespace, share: bool, seed: int) -> dict[str, Any]:
+    trace = None
+    if args.trace is not None:
+        trace = args.trace / f"shared-{'on' if share else 'off'}-{seed}.jsonl"
     async with Runtime(
         model,
         share_prefixes=share,
         max_batch_size=args.agents,
         log_level="off",
+        trace=trace,
     ) as rt:
         await round_(rt, brief(args.brief, seed + 1000), args.agents, args.max_tokens, "warm")
         return await round_(rt, brief(args.brief, seed), args.agents, args.max_tokens, "agent")
@@ -99,7 +105,10 @@ def raw(model: Any, tokenizer: Any, args: argparse.Namespace, seed: int, *, shar
     text = brief(args.brief, seed)
     prompts = [
         tokenizer.apply_chat_template(
-            [{"role": "system", "content": f"{text}\n\n{p}"}, {"role": "user", "content": QUESTION}],
+            [
+                {"role": "system", "content": f"{text}\n\n{p}"},
+                {"role": "user", "content": QUESTION},
+            ],
             add_generation_prompt=True,
         )
         for p in personas(args.agents)
@@ -127,7 +136,11 @@ def raw(model: Any, tokenizer: Any, args: argparse.Namespace, seed: int, *, shar
             per = []
             for c in cache:
                 k = KVCache()
-                k.keys, k.values, k.offset = c.keys[..., :common, :], c.values[..., :common, :], common
+                k.keys, k.values, k.offset = (
+                    c.keys[..., :common, :],
+                    c.values[..., :common, :],
+                    common,
+                )
                 per.append(k)
             caches.append(per)
         gen.insert([p[common:] for p in prompts], [args.max_tokens] * len(prompts), caches=caches)
@@ -150,6 +163,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--trace", type=Path, help="write each runtime's trace in this directory")
     args = parser.parse_args()
     model = args.model or random_model(args.shape, args.dtype)
     loaded, tokenizer = mlx_lm.load(str(model))
@@ -158,7 +172,9 @@ def main() -> None:
     repeats = []
     for r in range(args.repeats):
         order = [True, False] if r % 2 == 0 else [False, True]
-        run = {share: anyio.run(functools.partial(actors, model, args, share, r)) for share in order}
+        run = {
+            share: anyio.run(functools.partial(actors, model, args, share, r)) for share in order
+        }
         on, off = run[True], run[False]
         raw_batch = raw(loaded, tokenizer, args, r, shared=False)
         raw_shared = raw(loaded, tokenizer, args, r, shared=True)

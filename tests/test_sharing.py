@@ -15,7 +15,8 @@ import pytest
 from mlx_actors import Runtime
 from mlx_actors.errors import AgentClosedError, InvalidRequestError
 from mlx_actors.scheduler import BLOCK_SIZE, AgentBlocks, BlockPool, BlockPoolBatchEngine
-from mlx_actors.testing import write_random_model
+from mlx_actors.scheduler._image import make_blocks, take_image
+from mlx_actors.testing import tiny_config, write_random_model
 
 from .conftest import Loaded, ReferenceChat, load, reference, render, run_to_completion
 from .test_engine import N, prompt
@@ -128,6 +129,9 @@ def test_cancelling_either_side_of_a_shared_prefill_leaves_the_other_exact(
 def test_a_turn_that_arrives_while_a_long_prefill_runs_waits_for_its_prefix(
     engine: BlockPoolBatchEngine, tiny: Loaded
 ) -> None:
+    talker = prompt(30, 6)  # decoding meanwhile: the job's chunks stay short
+    busy = engine.submit("carl", talker, max_tokens=60)
+    engine.step()
     long = [*BRIEF, *prompt(1200, 4)]  # long enough to be prefilled as a job
     first = engine.submit("ann", long, max_tokens=N)
     engine.step()
@@ -139,6 +143,7 @@ def test_a_turn_that_arrives_while_a_long_prefill_runs_waits_for_its_prefix(
     done = run_to_completion(engine)
     assert list(done[first].tokens) == expected(tiny, long)
     assert list(done[uid].tokens) == expected(tiny, late)
+    assert list(done[busy].tokens) == expected(tiny, talker, 60)
     assert done[uid].usage.cached_tokens >= 1500
     for r in done.values():
         engine.release(r.blocks)
@@ -165,10 +170,29 @@ def test_without_sharing_each_agent_computes_its_own(tiny: Loaded) -> None:
     assert pool.used_blocks == 0
 
 
-def test_no_leaks_when_agents_share_prefixes_and_turns_fail(tiny: Loaded) -> None:
+@pytest.fixture(scope="module", params=["llama", "gemma3-window-300"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Loaded:
+    """The tests' llama, and a Gemma-3 shape whose window spans blocks, as real ones do
+    (kept boundaries then share chunks with the window's blocks)."""
+    if request.param == "llama":
+        config = tiny_config(num_hidden_layers=3)
+    else:
+        config = tiny_config(
+            "gemma3_text",
+            num_hidden_layers=2,
+            sliding_window=300,
+            sliding_window_pattern=2,
+            query_pre_attn_scalar=16,
+        )
+    path = tmp_path_factory.mktemp("shared-models") / request.param
+    return load(write_random_model(path, config, seed=7, init_scale=4.0))
+
+
+def test_no_leaks_when_agents_share_prefixes_and_turns_fail(model: Loaded) -> None:
     """Random turns of agents that share briefs (some cancelled while they wait for a
     prefix, prefill it, or decode): the pool always holds exactly the distinct blocks
     the agents hold, and every reply is mlx-lm's."""
+    tiny = model
     pool = BlockPool(tiny.spec, total_blocks=160)
     engine = BlockPoolBatchEngine(tiny.model, tiny.tokenizer, pool, max_batch_size=4)
     rng = random.Random(11)
@@ -403,3 +427,57 @@ def test_a_state_directory_stores_a_shared_block_once_and_a_restart_shares_it_ag
     # the caches came back as shared blocks, not as copies
     assert stats.restores == len(saved) and stats.shared_bytes > 0
     assert stats.pool.used_blocks == stats.resident_blocks
+
+
+def test_a_restore_reserves_only_the_blocks_nobody_holds(
+    engine: BlockPoolBatchEngine, tiny: Loaded
+) -> None:
+    prompts = [[*BRIEF, *prompt(20, 60 + i)] for i in range(2)]
+    uids = [engine.submit(f"agent{i}", p, max_tokens=N) for i, p in enumerate(prompts)]
+    done = run_to_completion(engine)
+    first, second = (done[uid].blocks for uid in uids)
+    image = take_image(first, {}, tiny.spec.layers[0].dtype, 1)
+    engine.release(first)  # evicted: only the brief, which the other agent holds, stays
+    brief = sum(1 for layer in second.layers for b in layer if b.end <= 2 * BLOCK_SIZE)
+    asked: list[int] = []
+
+    def reserve(n: int) -> Any:
+        asked.append(n)
+        return engine.pool.reserve(n)
+
+    back = make_blocks(engine.pool, image, reserve, index=engine.index)
+    assert asked == [image.num_blocks - brief]  # the brief's blocks were shared
+    for a, b in zip(back.layers, second.layers):
+        assert a[:2] == b[:2]
+    held(engine.pool, back, second)
+    nxt = prompt(10, 70)
+    uid = engine.submit("agent0", nxt, back, max_tokens=N)
+    again = run_to_completion(engine)[uid]
+    assert list(again.tokens) == expected(tiny, [*back.tokens, *nxt])
+    for blocks in (back, second, again.blocks):
+        engine.release(blocks)
+    assert engine.pool.used_blocks == 0
+
+
+@pytest.mark.anyio
+async def test_two_forks_racing_for_one_name(tiny_dir: Path) -> None:
+    async with Runtime(tiny_dir, pool_blocks=400, log_level="off") as rt:
+        parents = [await rt.spawn(f"parent{i}", max_tokens=6) for i in range(2)]
+        for parent in parents:
+            await parent.ask(f"Hello from {parent.name}.")
+        outcomes: list[Any] = []
+
+        async def fork(parent: Any) -> None:
+            try:
+                outcomes.append(await parent.fork("kid"))
+            except InvalidRequestError as exc:
+                outcomes.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for parent in parents:
+                tg.start_soon(fork, parent)
+        assert sorted(type(o).__name__ for o in outcomes) == ["Agent", "InvalidRequestError"]
+        for agent in list(rt.agents.values()):
+            await agent.close()
+        stats = await rt.stats()
+        assert (stats.pool.used_blocks, stats.resident_blocks) == (0, 0)

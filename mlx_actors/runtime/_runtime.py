@@ -170,6 +170,8 @@ class Runtime:
             share_prefixes=bool(share_prefixes),
         )
         self._agents: dict[str, Agent] = {}
+        #: Names of agents being made (a fork), not yet in ``_agents``.
+        self._claimed: set[str] = set()
         self._keeping: dict[str, anyio.Lock] = {}
         #: Names of closed agents, whose files must not be written again.
         self._dropped: set[str] = set()
@@ -393,7 +395,7 @@ class Runtime:
         if self._tg is None or self._closed:
             raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
         check_name(name)
-        for other in self._agents:
+        for other in [*self._agents, *self._claimed]:
             if other.casefold() == name.casefold():
                 raise InvalidRequestError(
                     f"an agent named {other!r} already exists (names ignore case: they name files)"
@@ -404,18 +406,22 @@ class Runtime:
     ) -> Agent:
         """The agents' keeper: start ``name`` with ``parent``'s conversation and cache."""
         self.check_new_name(name)
-        self._dropped.discard(name)
-        await self._scheduler.fork(parent.name, name)
-        stats = parent.statistics()
-        agent = await self._start_agent(
-            name,
-            system=parent.system,
-            options=options,
-            mailbox_size=mailbox_size,
-            messages=[m for m in parent.history if m.role != "system"],
-            turns=stats.turns,
-            cached=(stats.cached_tokens, stats.cached_blocks),
-        )
+        self._claimed.add(name)  # taken from now on: the fork awaits the engine thread
+        try:
+            self._dropped.discard(name)
+            await self._scheduler.fork(parent.name, name)
+            stats = parent.statistics()
+            agent = await self._start_agent(
+                name,
+                system=parent.system,
+                options=options,
+                mailbox_size=mailbox_size,
+                messages=[m for m in parent.history if m.role != "system"],
+                turns=stats.turns,
+                cached=(stats.cached_tokens, stats.cached_blocks),
+            )
+        finally:
+            self._claimed.discard(name)
         if self._state is not None and self._state.persist == "turn":
             await self._keep(agent)
         return agent

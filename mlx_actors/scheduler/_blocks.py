@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..errors import CacheReconstructionError
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
-from ._prefix import Node, Piece, PrefixIndex
+from ._prefix import Node, Piece, PrefixIndex, cover, runs_of
 from ._spec import BLOCK_SIZE, LayerKind, LayerSpec, ModelCacheSpec, max_blocks_for_layer
 
 
@@ -41,34 +41,37 @@ def check_blocks(pool: BlockPool, blocks: AgentBlocks) -> None:
             continue
         if not layer_blocks:
             raise CacheReconstructionError(f"{where}: no blocks for {total} cached tokens")
-        # The tail must be contiguous up to the end; a sliding layer may also keep the
-        # blocks of shared boundaries before its window.
         needed = 0 if layer.window is None else max(0, total - layer.window)
-        tail = len(layer_blocks) - 1
-        while tail > 0 and layer_blocks[tail].start > needed:
-            before, after = layer_blocks[tail - 1], layer_blocks[tail]
-            if before.end != after.start:
-                raise CacheReconstructionError(
-                    f"{where}: blocks are not contiguous ({before!r} then {after!r})"
-                )
-            tail -= 1
-        first, last = layer_blocks[tail], layer_blocks[-1]
-        if last.end != total:
-            raise CacheReconstructionError(
-                f"{where}: blocks end at token {last.end} but the history has {total} tokens"
-            )
-        if first.start > needed:
-            raise CacheReconstructionError(
-                f"{where}: blocks start at token {first.start} but the layer needs "
-                f"tokens from {needed}"
-            )
-        if layer.kind is LayerKind.GLOBAL and tail != 0:
-            raise CacheReconstructionError(f"{where}: a global layer holds blocks twice")
         for before, after in itertools.pairwise(layer_blocks):
             if (before.start, before.end) >= (after.start, after.end):
                 raise CacheReconstructionError(
                     f"{where}: blocks are out of order ({before!r} then {after!r})"
                 )
+        if layer_blocks[-1].end != total:
+            raise CacheReconstructionError(
+                f"{where}: blocks end at token {layer_blocks[-1].end} but the history has "
+                f"{total} tokens"
+            )
+        if layer.kind is LayerKind.GLOBAL:
+            for before, after in itertools.pairwise(layer_blocks):
+                if before.end != after.start:
+                    raise CacheReconstructionError(
+                        f"{where}: blocks are not contiguous ({before!r} then {after!r})"
+                    )
+            if layer_blocks[0].start != 0:
+                raise CacheReconstructionError(
+                    f"{where}: blocks start at token {layer_blocks[0].start} but the layer "
+                    "needs tokens from 0"
+                )
+        # A sliding layer may also keep, before and inside its window, the blocks of
+        # shared boundaries (anchors): what matters is that its window is covered.
+        elif not any(
+            start <= needed and end == total
+            for start, end in runs_of([(b, b.end) for b in layer_blocks])
+        ):
+            raise CacheReconstructionError(
+                f"{where}: the blocks do not hold tokens [{needed}, {total}), which the layer needs"
+            )
 
 
 def _check_arrays(where: str, layer: LayerSpec, block: KVBlock) -> None:
@@ -94,17 +97,12 @@ def _check_arrays(where: str, layer: LayerSpec, block: KVBlock) -> None:
 
 
 def pieces(spec: ModelCacheSpec, blocks: AgentBlocks, keep: int) -> tuple[tuple[Piece, ...], ...]:
-    """The pieces of ``blocks`` each layer needs for a cache of its first ``keep`` tokens."""
+    """The pieces of ``blocks`` each layer needs for a cache of its first ``keep`` tokens
+    (one block per position where kept boundaries overlap the window's blocks)."""
     layers = []
     for layer, layer_blocks in zip(spec.layers, blocks.layers, strict=True):
         lo = 0 if layer.window is None else max(0, keep - layer.window)
-        layers.append(
-            tuple(
-                (b, max(lo, b.start), min(keep, b.end))
-                for b in layer_blocks
-                if b.start < keep and b.end > lo
-            )
-        )
+        layers.append(cover([(b, b.end) for b in layer_blocks], lo, keep) if keep else ())
     return tuple(layers)
 
 
@@ -162,34 +160,80 @@ def checkpoint_blocks(spec: ModelCacheSpec, at: int) -> int:
     return total
 
 
-def from_cache(
+class Cut:
+    """A cache about to become blocks: for each block, the live one the index holds for
+    the same tokens (pinned already: a reference is taken), or the positions to copy.
+    Make it with :func:`plan_cut`; then :meth:`apply` it, or :meth:`abandon` it."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        index: PrefixIndex,
+        tokens: Sequence[int],
+        nodes: list[Node],
+        anchors: tuple[int, ...],
+    ) -> None:
+        self.pool, self.index, self.tokens, self.nodes = pool, index, tokens, nodes
+        self.anchors = anchors
+        #: Per layer: the blocks shared (pinned), and the copies to make as
+        #: (node, first position, keys, values).
+        self.shared: list[list[KVBlock]] = []
+        self.copies: list[list[tuple[Node, int, mx.array, mx.array]]] = []
+
+    @property
+    def new_blocks(self) -> int:
+        """Blocks :meth:`apply` makes (draws from its reservation)."""
+        return sum(len(layer) for layer in self.copies)
+
+    def apply(self, reservation: Reservation) -> AgentBlocks:
+        """Make the new blocks from ``reservation``; the ``AgentBlocks`` holds them and
+        the pinned ones. On error every block is freed again."""
+        made: list[KVBlock] = []
+        try:
+            layers = []
+            for number, (shared, copies) in enumerate(zip(self.shared, self.copies, strict=True)):
+                out = {b.id: b for b in shared}
+                for node, start, keys, values in copies:
+                    block = reservation.allocate(number, start, keys, values)
+                    made.append(block)
+                    self.index.attach(node, block)
+                    out[block.id] = block
+                layers.append(tuple(sorted(out.values(), key=lambda b: (b.start, b.end))))
+        except BaseException:
+            self.pool.free(made)
+            self.abandon()
+            raise
+        return AgentBlocks(tuple(layers), tuple(self.tokens), self.anchors)
+
+    def abandon(self) -> None:
+        """Drop the pinned blocks and the nodes made for nothing."""
+        for shared in self.shared:
+            self.pool.free(shared)
+        self.shared = [[] for _ in self.shared]
+        for node in reversed(self.nodes):
+            self.index.prune(node)
+
+
+def plan_cut(
     pool: BlockPool,
     cache: Sequence[Any],
     tokens: Sequence[int],
-    reservation: Reservation,
     *,
-    index: PrefixIndex | None = None,
+    index: PrefixIndex,
     namespace: Hashable = None,
     path: Sequence[Node] = (),
     anchors: Sequence[int] = (),
-) -> AgentBlocks:
-    """Cut a cache holding ``tokens`` into blocks.
-
-    Every block the index already holds for these tokens is shared instead of copied,
-    so only what is new is copied (from ``reservation``). Sliding layers keep the blocks
-    that overlap their window, and those of the ``anchors`` (shared boundaries) that
-    are still live. On error every block taken is freed again. The copies are lazy:
-    evaluate the new blocks (:func:`evaluate`) before the cache is dropped.
-    """
+) -> Cut:
+    """Plan cutting a cache holding ``tokens`` into blocks: every block the index
+    already holds for these tokens is shared, the rest copied. Sliding layers keep the
+    blocks that overlap their window, and those of the ``anchors`` (shared boundaries)
+    that are still live."""
     spec = pool.spec
-    index = index if index is not None else PrefixIndex(spec)
     total = len(tokens)
     nodes = index.chain(namespace, tokens, total, path) if total else []
-    anchors, kept = _anchor_blocks(spec, index, namespace, tokens, nodes, anchors)
-    made: list[KVBlock] = []
-    taken: list[KVBlock] = []
+    live, kept = _anchor_blocks(spec, index, namespace, tokens, nodes, anchors)
+    cut = Cut(pool, index, tokens, nodes, live)
     try:
-        layers = []
         for number, (layer, c) in enumerate(zip(spec.layers, cache, strict=True)):
             keys, values = c.keys, c.values
             if isinstance(c, RotatingKVCache) and keys is not None:
@@ -212,36 +256,54 @@ def from_cache(
                         f"expected the last {min(total, layer.window)} of {total}"
                     )
                 first = max(0, total - layer.window) // BLOCK_SIZE
-            out: dict[int, KVBlock] = {}
+            shared: dict[int, KVBlock] = {}
+            copies = []
+            cut.shared.append([])
             for node in nodes[first:]:
                 want = max(oldest, node.start)
                 block = node.blocks.get(number)
                 if block is not None and block.start <= want:
-                    block = pool.share(block)
-                    taken.append(block)
+                    shared[block.id] = block
                 else:
                     lo, hi = want - oldest, node.end - oldest
-                    block = reservation.allocate(
-                        number,
-                        want,
-                        mx.contiguous(keys[..., lo:hi, :]),
-                        mx.contiguous(values[..., lo:hi, :]),
+                    copies.append(
+                        (
+                            node,
+                            want,
+                            mx.contiguous(keys[..., lo:hi, :]),
+                            mx.contiguous(values[..., lo:hi, :]),
+                        )
                     )
-                    made.append(block)
-                    index.attach(node, block)
-                out[block.id] = block
             for block in kept[number]:
-                if block.id not in out:
-                    out[block.id] = pool.share(block)
-                    taken.append(out[block.id])
-            layers.append(tuple(sorted(out.values(), key=lambda b: (b.start, b.end))))
+                shared.setdefault(block.id, block)
+            for block in shared.values():
+                cut.shared[-1].append(pool.share(block))
+            cut.copies.append(copies)
     except BaseException:
-        pool.free(made)
-        pool.free(taken)
-        for node in reversed(nodes):
-            index.prune(node)
+        cut.abandon()
         raise
-    return AgentBlocks(tuple(layers), tuple(tokens), anchors)
+    return cut
+
+
+def from_cache(
+    pool: BlockPool,
+    cache: Sequence[Any],
+    tokens: Sequence[int],
+    reservation: Reservation,
+    *,
+    index: PrefixIndex | None = None,
+    namespace: Hashable = None,
+    path: Sequence[Node] = (),
+    anchors: Sequence[int] = (),
+) -> AgentBlocks:
+    """Cut a cache holding ``tokens`` into blocks (:func:`plan_cut`), the new ones drawn
+    from ``reservation``. On error every block taken is freed again. The copies are
+    lazy: evaluate the new blocks (:func:`evaluate`) before the cache is dropped."""
+    index = index if index is not None else PrefixIndex(pool.spec)
+    cut = plan_cut(
+        pool, cache, tokens, index=index, namespace=namespace, path=path, anchors=anchors
+    )
+    return cut.apply(reservation)
 
 
 def _anchor_blocks(

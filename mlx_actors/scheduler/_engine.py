@@ -17,7 +17,15 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import apply_top_p
 
 from ..errors import EngineError, InvalidRequestError, MlxActorsError, PoolExhaustedError
-from ._blocks import blocks_needed, check_blocks, checkpoint_blocks, evaluate, from_cache, to_cache
+from ._blocks import (
+    blocks_needed,
+    check_blocks,
+    checkpoint_blocks,
+    evaluate,
+    from_cache,
+    plan_cut,
+    to_cache,
+)
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefill import PrefillJob
 from ._prefix import PrefixIndex, Source
@@ -628,34 +636,41 @@ class BlockPoolBatchEngine:
         if not self._jobs:
             return 0
         job = self._jobs[0]
+        # Nothing decoding waits on this step: take chunks as large as mlx-lm's own.
+        step = self.prefill_step_size if self._running else max(self.prefill_step_size, 2048)
         with mx.stream(self._generator.stream):
-            n = job.run_chunk(self.model, self.spec, self.prefill_step_size)
+            n = job.run_chunk(self.model, self.spec, step)
         if job.pos in job.checkpoints:
             self._publish(job, job.pos)
-        if job.pos == job.end:
-            self._end_job(job)
-        elif job.owner is None and not job.checkpoints:
+        if job.owner is None and not job.checkpoints:
             self._drop_job(job)
+        elif job.pos == job.end or (
+            not job.checkpoints and job.owner is not None and job.end - job.pos < self.long_prefill
+        ):
+            # Nobody waits on the rest: a short tail is prefilled in the batch, with the
+            # tails of the sequences that waited here.
+            self._end_job(job)
         return n
 
     def _publish(self, job: PrefillJob, at: int) -> None:
         """Cut the job's cache at ``at`` into blocks (indexed, so the waiting sequences
         find them) and plan the sequences that waited for it."""
         waiting = job.checkpoints.pop(at)
+        assert job.cache is not None
+        cut = plan_cut(
+            self.pool,
+            job.cache,
+            job.tokens[:at],
+            index=self.index,
+            namespace=job.namespace,
+            path=job.source.path,
+        )
         try:
-            self._grow(job.reservation, blocks_needed(self.spec, at, job.source.length))
-            blocks = from_cache(
-                self.pool,
-                job.cache or [],
-                job.tokens[:at],
-                job.reservation,
-                index=self.index,
-                namespace=job.namespace,
-                path=job.source.path,
-            )
+            self._grow(job, cut.new_blocks)
         except PoolExhaustedError:
-            blocks = None  # the waiting sequences start from what they can find
-        if blocks is not None:
+            cut.abandon()  # the waiting sequences start from what they can find
+        else:
+            blocks = cut.apply(job.reservation)
             evaluate([blocks])
             job.held.extend(blocks.blocks())
             job.published.append(at)
@@ -667,10 +682,16 @@ class BlockPoolBatchEngine:
             except MlxActorsError as exc:
                 self._refuse(seq, exc)
 
-    def _grow(self, reservation: Reservation, need: int) -> None:
-        """Top up a job's reservation to ``need`` if the pool allows, else leave it."""
-        if reservation.remaining < need:
-            reservation.grow(need - reservation.remaining)
+    def _grow(self, job: PrefillJob, need: int) -> None:
+        """Top the job's reservation up to ``need`` blocks, moving idle agents' caches to
+        disk if the pool is short (raises :class:`PoolExhaustedError` if that fails)."""
+        agent = job.owner.agent_id if job.owner is not None else ""
+        while job.reservation.remaining < need:
+            try:
+                job.reservation.grow(need - job.reservation.remaining)
+            except PoolExhaustedError:
+                if self.make_room is None or not self.make_room(agent):
+                    raise
 
     def _end_job(self, job: PrefillJob) -> None:
         self._jobs.remove(job)
@@ -680,7 +701,7 @@ class BlockPoolBatchEngine:
             return
         seq.reservation, seq.held, seq.job = job.reservation, job.held, None
         seq.anchors = (*seq.anchors, *job.published)
-        self._insert(seq, job.cache)
+        self._insert(seq, job.cache, job.pos)
 
     def _drop_job(self, job: PrefillJob) -> None:
         self._jobs.remove(job)
@@ -702,10 +723,11 @@ class BlockPoolBatchEngine:
             else:
                 self._insert(seq, None)
 
-    def _insert(self, seq: _Sequence, cache: list[Any] | None) -> None:
-        """Put ``seq`` into the batch: with ``cache`` (a prefill job's, holding all but
-        its last prompt token), else with a cache built from its source blocks."""
-        start = len(seq.tokens) - 1 if cache is not None else seq.source.length
+    def _insert(self, seq: _Sequence, cache: list[Any] | None, start: int = 0) -> None:
+        """Put ``seq`` into the batch: with ``cache`` (a prefill job's, holding its first
+        ``start`` tokens), else with a cache built from its source blocks."""
+        if cache is None:
+            start = seq.source.length
         if cache is None and start:
             cache = to_cache(self.spec, seq.source.layers, start)
         (gen_uid,) = self._generator.insert(

@@ -3,7 +3,7 @@ blocks, on the engine thread. The files themselves are written and read elsewher
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 
 import attrs
 import mlx.core as mx
@@ -94,14 +94,15 @@ def take_image(
 def make_blocks(
     pool: BlockPool,
     image: CacheImage,
-    reservation: Reservation,
+    reserve: Callable[[int], Reservation],
     *,
     index: PrefixIndex | None = None,
     namespace: Hashable = None,
 ) -> AgentBlocks:
-    """Blocks of ``pool`` holding ``image`` (every array present): a block the index
-    already holds for the same tokens is shared, the others are made from
-    ``reservation``. On error every block taken is freed again."""
+    """Blocks of ``pool`` holding ``image`` (every array present). A block the index
+    already holds for the same tokens is shared (pinned first); only the others are
+    made, from ``reserve(n)``, which may move other caches to disk to find room. On
+    error every block taken is freed again."""
     spec = pool.spec
     dtype = _DTYPES.get(image.dtype)
     if len(image.layers) != spec.num_layers or dtype is None:
@@ -112,12 +113,14 @@ def make_blocks(
     index = index if index is not None else PrefixIndex(spec)
     tokens = image.tokens
     nodes = index.chain(namespace, tokens, len(tokens)) if tokens else []
-    made: dict[int, KVBlock] = {}
-    taken: list[KVBlock] = []
-    layers = []
+    used: list[Node] = list(nodes)
+    plan: list[list[tuple[BlockEntry, Node, KVBlock | None]]] = []
+    made: list[KVBlock] = []
+    pinned: list[KVBlock] = []
+    reservation: Reservation | None = None
     try:
         for number, entries in enumerate(image.layers):
-            out = []
+            row = []
             for e in entries:
                 if not 0 <= e.start < e.end <= len(tokens):
                     raise CacheReconstructionError(
@@ -125,26 +128,39 @@ def make_blocks(
                         f"{len(tokens)}"
                     )
                 node = _node(index, namespace, tokens, nodes, e.end)
+                used.append(node)
                 block = node.blocks.get(number)
                 if block is not None and block.start <= e.start:
-                    taken.append(pool.share(block))
+                    pinned.append(pool.share(block))
                 else:
+                    block = None
+                row.append((e, node, block))
+            plan.append(row)
+        reservation = reserve(sum(1 for row in plan for _, _, b in row if b is None))
+        layers = []
+        for number, row in enumerate(plan):
+            out = []
+            for e, node, block in row:
+                if block is None:
                     keys = _array(image, e.key, 0, dtype)
                     values = _array(image, e.key, 1, dtype)
                     block = reservation.allocate(number, e.start, keys, values)
-                    made[block.id] = block
+                    made.append(block)
                     index.attach(node, block)
                 out.append(block)
             layers.append(tuple(out))
-        mx.eval([(b.keys, b.values) for b in made.values()])
+        mx.eval([(b.keys, b.values) for b in made])
         blocks = AgentBlocks(tuple(layers), tokens, image.anchors)
         check_blocks(pool, blocks)  # the blocks must fit the spec exactly
     except BaseException:
-        pool.free(made.values())
-        pool.free(taken)
-        for node in reversed(nodes):
+        pool.free(made)
+        pool.free(pinned)
+        for node in reversed(used):
             index.prune(node)
         raise
+    finally:
+        if reservation is not None:
+            reservation.release()
     return blocks
 
 

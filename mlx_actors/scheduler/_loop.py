@@ -302,17 +302,13 @@ class EngineLoop:
                 f"the saved cache of agent {agent!r} holds {len(image.tokens)} tokens that "
                 f"are not the {len(entry.tokens)} its index names"
             )
-        reservation = self._with_room(agent, lambda: self.pool.reserve(image.num_blocks))
-        try:
-            blocks = make_blocks(
-                self.pool,
-                image,
-                reservation,
-                index=self.engine.index,
-                namespace=entry.namespace,
-            )
-        finally:
-            reservation.release()
+        blocks = make_blocks(
+            self.pool,
+            image,
+            lambda n: self._with_room(agent, lambda: self.pool.reserve(n)),
+            index=self.engine.index,
+            namespace=entry.namespace,
+        )
         entry.blocks = blocks
         if self._persistent:
             entry.stored = stored_ids(image, blocks)
@@ -337,6 +333,9 @@ class EngineLoop:
         """A new agent holding the parent's cache by reference (or, on disk, to be read
         from the parent's files)."""
         parent = self._entry(command.parent)
+        stale = self.agents.get(command.child)
+        if stale is not None and stale.blocks is not None:  # never leak what it held
+            self.pool.free(stale.blocks.blocks())
         child = self.agents[command.child] = _Entry(
             tokens=parent.tokens,
             blocks=self.engine.share(parent.blocks) if parent.blocks is not None else None,
@@ -389,18 +388,13 @@ class EngineLoop:
             finished = engine.step()
         except EngineError as exc:
             self._log.error("batch.failed", error=str(exc), turns=len(exc.uids))
+            self._refused()  # turns refused before the failure still get their answer
             for uid in exc.uids:
                 turn = self.turns.pop(uid)
                 self._entry(turn.agent).busy = False
                 self.outbox.append(("failed", turn, exc))
             return
-        for uid, error in engine.take_refused():
-            turn = self.turns.pop(uid)
-            self._entry(turn.agent).busy = False
-            self._log.info(
-                "turn.refused", agent=turn.agent, turn=turn.id, error=type(error).__name__
-            )
-            self.outbox.append(("failed", turn, error))
+        self._refused()
         info = engine.last_step
         if info is not None:
             self._log.debug(
@@ -428,6 +422,19 @@ class EngineLoop:
                 pool_used=self.pool.used_blocks,
             )
             self.outbox.append(("done", turn, result))
+
+    def _refused(self) -> None:
+        """Fail the turns the engine refused (waiting for a shared prefix, they could no
+        longer get the blocks they need)."""
+        for uid, error in self.engine.take_refused():
+            turn = self.turns.pop(uid, None)
+            if turn is None:
+                continue
+            self._entry(turn.agent).busy = False
+            self._log.info(
+                "turn.refused", agent=turn.agent, turn=turn.id, error=type(error).__name__
+            )
+            self.outbox.append(("failed", turn, error))
 
     def snapshot(self) -> SchedulerStatistics:
         holders: dict[int, int] = {}

@@ -167,14 +167,14 @@ class PrefixIndex:
             for node, usable in level:
                 for layer, block in node.blocks.items():
                     spans[layer].append((block, node.start + usable))
-        runs = [_runs(layer_spans) for layer_spans in spans]
+        runs = [runs_of(layer_spans) for layer_spans in spans]
         length = self._servable(runs, limit)
         if length == 0:
             return Source(length=0, layers=tuple(() for _ in self.spec.layers))
         layers = []
         for spec, layer_spans in zip(self.spec.layers, spans, strict=True):
             lo = 0 if spec.window is None else max(0, length - spec.window)
-            layers.append(_cover(layer_spans, lo, length))
+            layers.append(cover(layer_spans, lo, length))
         return Source(length=length, layers=tuple(layers), path=tuple(path[: length // BLOCK_SIZE]))
 
     def _walk(
@@ -225,7 +225,7 @@ class PrefixIndex:
         return 0
 
 
-def _runs(spans: list[tuple[KVBlock, int]]) -> list[tuple[int, int]]:
+def runs_of(spans: Sequence[tuple[KVBlock, int]]) -> list[tuple[int, int]]:
     """Maximal stretches ``[start, end)`` of positions the spans cover."""
     runs: list[tuple[int, int]] = []
     for start, end in sorted((block.start, end) for block, end in spans):
@@ -240,9 +240,10 @@ def _covers(runs: list[tuple[int, int]], lo: int, hi: int) -> bool:
     return any(start <= lo and hi <= end for start, end in runs)
 
 
-def _cover(spans: list[tuple[KVBlock, int]], lo: int, hi: int) -> tuple[Piece, ...]:
-    """Pieces of the spans covering ``[lo, hi)``, each point from the span reaching
-    furthest (the caller checked that they cover it)."""
+def cover(spans: Sequence[tuple[KVBlock, int]], lo: int, hi: int) -> tuple[Piece, ...]:
+    """Pieces of the spans (a block, and where what it can serve ends) covering
+    ``[lo, hi)``, each point from the span reaching furthest; the caller checked that
+    they cover it."""
     ordered = sorted(spans, key=lambda span: span[0].start)
     pieces: list[Piece] = []
     at, i = lo, 0
