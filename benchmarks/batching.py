@@ -99,12 +99,15 @@ async def measure_batched(
     the kernels for the batch shapes each mode makes."""
     actor_runs, raw_runs = [], []
     prompts = [tokens for _, _, tokens in jobs]
+    # Every repeat asks the same prompts: without share_prefixes=False the later ones
+    # would start from the blocks of the first, and measure no prefill at all.
     async with Runtime(
         path,
         max_batch_size=max(32, len(jobs)),
         pool_blocks=1 << 16,
         log_level="warning",
         trace=trace,
+        share_prefixes=False,
     ) as rt:
         for r in range(repeats):
             actor_runs.append(await through_actors(rt, jobs, new, r))

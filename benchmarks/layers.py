@@ -96,8 +96,12 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def actors_runs(path: Path, jobs: list[Any], new: int, repeats: int) -> list[dict[str, Any]]:
-    async with Runtime(
-        path, max_batch_size=max(32, len(jobs)), pool_blocks=1 << 16, log_level="warning"
+    async with Runtime(  # the repeats ask the same prompts: none may reuse another's blocks
+        path,
+        max_batch_size=max(32, len(jobs)),
+        pool_blocks=1 << 16,
+        log_level="warning",
+        share_prefixes=False,
     ) as rt:
         return [await through_actors(rt, jobs, new, r) for r in range(repeats)]
 

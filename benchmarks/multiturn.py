@@ -39,7 +39,11 @@ def dialogue(
         cache = blocks[who] if cached else None
         common = min(cache.common_prefix(tokens), len(tokens) - 1) if cache is not None else 0
         trim = cache.num_tokens - common if cache is not None else 0
-        uid = engine.submit(f"agent{who}", tokens[common:], cache, trim=trim, max_tokens=new)
+        # Re-prefilling: a namespace of its own each turn, so no live block is reused.
+        namespace = f"agent{who}" if cached else ("reprefill", turn)
+        uid = engine.submit(
+            f"agent{who}", tokens[common:], cache, trim=trim, max_tokens=new, namespace=namespace
+        )
         result = None
         while result is None:
             for done in engine.step():

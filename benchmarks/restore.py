@@ -12,7 +12,8 @@ conversation through the model). Both give the same reply; the figures are the w
 time of that ``ask`` and its time to first token, and from the trace the milliseconds
 spent reading the files (checksums included) and putting the blocks back. In each
 runtime a twin of the agent (the same conversation) asks first, the same way, so that
-compiling kernels for a new engine thread is not counted. The files were just written,
+compiling kernels for a new engine thread is not counted (with ``share_prefixes=False``,
+so that the twin's blocks do not serve the reader). The files were just written,
 so they are read from the page cache, not from a cold disk.
 """
 
@@ -63,7 +64,10 @@ def median(runs: dict[str, list[dict[str, Any]]], mode: str, key: str) -> float:
 
 
 async def build(model: Path, state: Path, text: str) -> int:
-    async with Runtime(model, state_dir=state, persist="exit", log_level="off") as rt:
+    # share_prefixes=False throughout: the twin's blocks must not serve the reader.
+    async with Runtime(
+        model, state_dir=state, persist="exit", log_level="off", share_prefixes=False
+    ) as rt:
         for name in ("twin", "reader"):  # the same conversation twice
             agent = await rt.spawn(name, system=SYSTEM)
             reply = await agent.ask(text, max_tokens=8)
@@ -72,7 +76,14 @@ async def build(model: Path, state: Path, text: str) -> int:
 
 async def answer(model: Path, state: Path, new_tokens: int) -> dict[str, Any]:
     trace = state.parent / f"{state.name}.jsonl"
-    async with Runtime(model, state_dir=state, persist="exit", log_level="off", trace=trace) as rt:
+    async with Runtime(
+        model,
+        state_dir=state,
+        persist="exit",
+        log_level="off",
+        trace=trace,
+        share_prefixes=False,
+    ) as rt:
         # The first turns on a new engine thread compile kernels for their shapes: the
         # twin's turn, the same as the reader's, keeps that out of the figures.
         await rt.agent("twin").ask(QUESTION, max_tokens=new_tokens)

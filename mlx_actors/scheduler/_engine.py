@@ -27,7 +27,7 @@ from ._blocks import (
     to_cache,
 )
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
-from ._prefill import PrefillJob
+from ._prefill import PrefillJob, snapshot
 from ._prefix import PrefixIndex, Source
 from ._spec import ModelCacheSpec
 from ._text import TextStream
@@ -150,6 +150,12 @@ class StepInfo:
     finished: int
     #: Wall time of the step.
     seconds: float
+    #: Prefill jobs that ran a chunk, and the seconds they took (publishing included).
+    jobs: int = 0
+    jobs_seconds: float = 0.0
+    #: Sequences that joined the batch, and the seconds of the ``BatchGenerator`` step.
+    joined: int = 0
+    batch_seconds: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -204,6 +210,8 @@ class _Sequence:
     reservation: Reservation | None = None
     job: PrefillJob | None = None
     waiting: tuple[PrefillJob, int] | None = None
+    #: The cache of the checkpoint it waited for (views of the job's), to start from.
+    seed: list[Any] | None = None
     admission: Admission | None = None
     gen_uid: int | None = None
     generated: list[int] = attrs.Factory(list)
@@ -223,12 +231,15 @@ class BlockPoolBatchEngine:
     with ``share_prefixes`` any agent's), and a finished cache is cut into blocks that
     reuse what exists, so a prefix shared by many agents is held once.
 
-    With ``share_prefixes``, sequences submitted together that share a prefix of at
-    least ``min_shared`` tokens do not each prefill it: the first one's prefill runs as a
-    job outside the batch (:class:`PrefillJob`), which stops where the others' prompts
-    diverge from it and publishes its cache there as blocks; the others wait for that
-    and start from them. A prompt of ``long_prefill`` new tokens or more is prefilled
-    the same way, so that sequences arriving while it runs can still join it.
+    A long prompt, or any prompt on a long cached history, is prefilled as a job
+    (:class:`PrefillJob`): one sequence at a time, unpadded, as mlx-lm's own
+    ``generate_step`` prefills, outside the ``BatchGenerator`` (whose batched prefill
+    pads and copies every cache in the batch); the sequence then joins the batch with
+    its last prompt token. With ``share_prefixes``, sequences submitted together that
+    share a prefix of at least ``min_shared`` tokens do not each prefill it: the first
+    one's prefill runs as a job, which stops where the others' prompts diverge from it
+    and publishes its cache there as blocks; the others wait for that and start from
+    them. A sequence arriving while such a job runs joins it the same way.
 
     Not thread-safe: make every call from the one thread that owns the model.
 
@@ -238,13 +249,15 @@ class BlockPoolBatchEngine:
         pool: the pool the caches live in.
         spec: the model's cache spec (the pool's, by default).
         max_batch_size: most sequences decoded together; more wait in a queue.
-        prefill_batch_size: most prompts prefilled together.
+        prefill_batch_size: prefill chunks run in one step, at most (of prefill jobs, or
+            of prompts in the batch).
         prefill_step_size: most prompt tokens per sequence run in one step, so a long
             prompt does not stall the sequences already decoding.
         share_prefixes: reuse blocks across agents (namespaces), and run shared
             prefixes once; with ``False`` a sequence reuses only its own namespace's.
         min_shared: the shortest shared prefix worth waiting for.
-        long_prefill: new prompt tokens from which a prefill runs as a job.
+        long_prefill: new prompt tokens, or cached history tokens, from which a prefill
+            runs as a job.
     """
 
     def __init__(
@@ -277,6 +290,7 @@ class BlockPoolBatchEngine:
         if self.spec != pool.spec:
             raise InvalidRequestError("the pool was made for another model's cache spec")
         self.max_batch_size = max_batch_size
+        self.prefill_batch_size = min(prefill_batch_size, max_batch_size)
         self.prefill_step_size = prefill_step_size
         self.share_prefixes = share_prefixes
         self.min_shared = min_shared
@@ -288,7 +302,10 @@ class BlockPoolBatchEngine:
         self.make_room: Callable[[str], bool] | None = None
         self._generator_options = dict(
             completion_batch_size=max_batch_size,
-            prefill_batch_size=min(prefill_batch_size, max_batch_size),
+            # Long prompts and long histories are prefilled as jobs: what joins the
+            # generator's own prompt batches is short, and each join copies every cache
+            # of the running batch, so sequences ready together join in one.
+            prefill_batch_size=max_batch_size,
             prefill_step_size=prefill_step_size,
             stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
         )
@@ -526,7 +543,9 @@ class BlockPoolBatchEngine:
             held=seq.held,
             owner=seq,
         )
-        seq.reservation, seq.held = None, []
+        if seq.seed is not None and seq.seed[0].offset == seq.source.length:
+            job.cache = snapshot(seq.seed)  # its own cache objects, over the same views
+        seq.reservation, seq.held, seq.seed = None, [], None
         seq.state, seq.job = "job", job
         self._jobs.append(job)
         self._prefill_jobs += 1
@@ -576,9 +595,12 @@ class BlockPoolBatchEngine:
             self.last_step = None
             return []
         started = time.perf_counter()
+        joined = len(self._running)
         try:
-            prefill = self._run_job()
             self._start_pending()
+            jobs, prefill = self._run_jobs()
+            jobs_done = time.perf_counter()
+            joined = len(self._running) - joined
             prompt_responses, responses = self._generator.next() if self._running else ([], [])
         except Exception as exc:
             uids = self._reset()
@@ -622,35 +644,45 @@ class BlockPoolBatchEngine:
         self._prefill_tokens += prefill
         self._generated_tokens += len(responses)
         self._max_decode_batch = max(self._max_decode_batch, len(responses))
+        ended = time.perf_counter()
         self.last_step = StepInfo(
             decode_batch=len(responses),
             prefill_tokens=prefill,
             finished=len(finished),
-            seconds=time.perf_counter() - started,
+            seconds=ended - started,
+            jobs=jobs,
+            jobs_seconds=jobs_done - started,
+            joined=joined,
+            batch_seconds=ended - jobs_done,
         )
         return finished
 
-    def _run_job(self) -> int:
-        """One chunk of the oldest prefill job; publish a checkpoint it reached, hand its
-        sequence to the batch when it is done. Returns the tokens prefilled."""
-        if not self._jobs:
-            return 0
-        job = self._jobs[0]
-        # Nothing decoding waits on this step: take chunks as large as mlx-lm's own.
-        step = self.prefill_step_size if self._running else max(self.prefill_step_size, 2048)
-        with mx.stream(self._generator.stream):
-            n = job.run_chunk(self.model, self.spec, step)
-        if job.pos in job.checkpoints:
-            self._publish(job, job.pos)
-        if job.owner is None and not job.checkpoints:
-            self._drop_job(job)
-        elif job.pos == job.end or (
-            not job.checkpoints and job.owner is not None and job.end - job.pos < self.long_prefill
-        ):
-            # Nobody waits on the rest: a short tail is prefilled in the batch, with the
-            # tails of the sequences that waited here.
-            self._end_job(job)
-        return n
+    def _run_jobs(self) -> tuple[int, int]:
+        """A chunk of each prefill job, oldest first, while the step's budget lasts (as
+        many tokens as ``prefill_batch_size`` chunks): publish the checkpoints they reach
+        (the sequences that waited there start at once, as jobs or in the batch), hand
+        each finished job's sequence to the batch. Returns the jobs run and the tokens
+        prefilled."""
+        # Chunks of ``prefill_step_size`` keep the decoding sequences' steps short; when
+        # nothing decodes, chunks as large as mlx-lm's own.
+        chunk = self.prefill_step_size if self._running else max(self.prefill_step_size, 2048)
+        budget = chunk * self.prefill_batch_size
+        done = ran = at = 0
+        while at < len(self._jobs) and done < budget:
+            job = self._jobs[at]
+            with mx.stream(self._generator.stream):
+                done += job.run_chunk(self.model, self.spec, min(chunk, budget - done))
+            ran += 1
+            if job.pos in job.checkpoints:
+                self._publish(job, job.pos)
+                self._start_pending()  # the waiters' own jobs can run in this step too
+            if job.owner is None and not job.checkpoints:
+                self._drop_job(job)
+            elif job.pos == job.end:
+                self._end_job(job)
+            else:
+                at += 1
+        return ran, done
 
     def _publish(self, job: PrefillJob, at: int) -> None:
         """Cut the job's cache at ``at`` into blocks (indexed, so the waiting sequences
@@ -675,8 +707,9 @@ class BlockPoolBatchEngine:
             job.held.extend(blocks.blocks())
             job.published.append(at)
             self._checkpoints += 1
+        seed = snapshot(job.cache)
         for seq in waiting:
-            seq.waiting = None
+            seq.waiting, seq.seed = None, seed
             try:
                 self._plan(seq)
             except MlxActorsError as exc:
@@ -713,12 +746,15 @@ class BlockPoolBatchEngine:
         job.held = []
 
     def _start_pending(self) -> None:
-        """Start the sequences planned since the last step: a long prefill as a job, the
-        rest straight into the batch."""
+        """Start the sequences planned since the last step. A long prefill, or any on a
+        long cached history, runs as a job (one sequence, unpadded, as mlx-lm's own
+        prefill: ``BatchGenerator`` copies and pads every cache in a batch of prompts);
+        short prompts on short histories are prefilled together in the batch."""
         pending, self._pending = self._pending, []
         for seq in pending:
-            uncached = len(seq.tokens) - 1 - seq.source.length
-            if self.share_prefixes and uncached >= self.long_prefill:
+            cached = seq.source.length
+            uncached = len(seq.tokens) - 1 - cached
+            if uncached > 0 and max(uncached, cached) >= self.long_prefill:
                 self._make_job(seq)
             else:
                 self._insert(seq, None)
@@ -728,8 +764,11 @@ class BlockPoolBatchEngine:
         ``start`` tokens), else with a cache built from its source blocks."""
         if cache is None:
             start = seq.source.length
-        if cache is None and start:
+        if cache is None and seq.seed is not None and seq.seed[0].offset == start:
+            cache = snapshot(seq.seed)
+        elif cache is None and start:
             cache = to_cache(self.spec, seq.source.layers, start)
+        seq.seed = None
         (gen_uid,) = self._generator.insert(
             [seq.tokens[start:]],
             max_tokens=[seq.budget],

@@ -403,6 +403,10 @@ class EngineLoop:
                 prefill_tokens=info.prefill_tokens,
                 finished=info.finished,
                 ms=round(info.seconds * 1e3, 3),
+                jobs=info.jobs,
+                jobs_ms=round(info.jobs_seconds * 1e3, 3),
+                joined=info.joined,
+                batch_ms=round(info.batch_seconds * 1e3, 3),
                 pool_used=self.pool.used_blocks,
             )
         for result in finished:

@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ._blocks import to_cache
 from ._pool import KVBlock, Reservation
@@ -75,3 +75,23 @@ class PrefillJob:
         mx.eval([c.state for c in self.cache])
         self.pos += n
         return n
+
+
+def snapshot(cache: list[Any]) -> list[Any]:
+    """A new cache holding what ``cache`` holds now, as views of its arrays: a sequence
+    that waited at a checkpoint starts from it without gathering blocks (the views stay
+    valid: MLX arrays are values, and the job's later writes make new ones)."""
+    out: list[Any] = []
+    for c in cache:
+        if isinstance(c, RotatingKVCache):
+            keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)
+            held = min(int(keys.shape[2]), c.offset, c.max_size)
+            copy: Any = RotatingKVCache(max_size=c.max_size, keep=0)
+            copy.keys, copy.values = keys[..., -held:, :], values[..., -held:, :]
+            copy._idx = held
+        else:
+            copy = KVCache()
+            copy.keys, copy.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+        copy.offset = c.offset
+        out.append(copy)
+    return out
