@@ -8,12 +8,6 @@ the ``Scheduler`` actor owns that engine on its thread, moving idle agents' cach
 
 from ._actor import Scheduler as Scheduler
 from ._engine import BlockPoolBatchEngine as BlockPoolBatchEngine
-from ._engine import CompletedGeneration as CompletedGeneration
-from ._engine import EngineStatistics as EngineStatistics
-from ._engine import Sampling as Sampling
-from ._engine import StepInfo as StepInfo
-from ._engine import TokenEvent as TokenEvent
-from ._engine import Usage as Usage
 from ._image import BlockEntry as BlockEntry
 from ._image import CacheImage as CacheImage
 from ._pool import AgentBlocks as AgentBlocks
@@ -23,6 +17,12 @@ from ._pool import PoolStatistics as PoolStatistics
 from ._protocol import CacheStore as CacheStore
 from ._protocol import SchedulerStatistics as SchedulerStatistics
 from ._protocol import Turn as Turn
+from ._records import CompletedGeneration as CompletedGeneration
+from ._records import EngineStatistics as EngineStatistics
+from ._records import Sampling as Sampling
+from ._records import StepInfo as StepInfo
+from ._records import TokenEvent as TokenEvent
+from ._records import Usage as Usage
 from ._spec import BLOCK_SIZE as BLOCK_SIZE
 from ._spec import LayerKind as LayerKind
 from ._spec import LayerSpec as LayerSpec

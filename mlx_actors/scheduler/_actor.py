@@ -16,7 +16,7 @@ from anyio.abc import TaskGroup
 from anyio.lowlevel import EventLoopToken
 
 from ..errors import CorruptStateError, MlxActorsError, RuntimeClosedError
-from ._engine import BlockPoolBatchEngine, CompletedGeneration
+from ._engine import BlockPoolBatchEngine
 from ._image import CacheImage
 from ._loop import EngineLoop, Outbox
 from ._pool import AgentBlocks, BlockPool
@@ -36,6 +36,7 @@ from ._protocol import (
     Submit,
     Turn,
 )
+from ._records import CompletedGeneration
 from ._spec import ModelCacheSpec
 
 Loader = Callable[[], tuple[Any, Any]]

@@ -5,16 +5,14 @@ tokens they hold so that any sequence starts from the longest prefix any agent c
 from __future__ import annotations
 
 import itertools
-import random
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.sample_utils import apply_top_p
 
 from ..errors import EngineError, InvalidRequestError, MlxActorsError, PoolExhaustedError
 from ._blocks import (
@@ -29,158 +27,20 @@ from ._blocks import (
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefill import PrefillJob, snapshot
 from ._prefix import PrefixIndex, Source
+from ._records import (
+    Admission,
+    CompletedGeneration,
+    EngineStatistics,
+    FinishReason,
+    Sampler,
+    Sampling,
+    StepInfo,
+    TokenEvent,
+    Usage,
+)
 from ._spec import ModelCacheSpec
 from ._text import TextStream
 from ._tokens import common_prefix
-
-FinishReason = Literal["stop", "length"]
-Sampler = Callable[[mx.array], mx.array]
-
-
-@attrs.frozen(kw_only=True)
-class Sampling:
-    """How the next token is chosen."""
-
-    #: 0 picks the most likely token (greedy, the default); higher flattens the choice.
-    temperature: float = 0.0
-    #: Nucleus sampling: keep the most likely tokens whose mass reaches ``top_p``.
-    top_p: float = 1.0
-    #: Seed of this sequence's own random stream; ``None`` picks one at random.
-    seed: int | None = None
-
-    def __attrs_post_init__(self) -> None:
-        t, p = self.temperature, self.top_p
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
-            raise InvalidRequestError(f"temperature must be a number >= 0, got {t!r}")
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
-            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
-
-    def make_sampler(self) -> Sampler | None:
-        """A sampler with its own random key, or ``None`` for greedy decoding."""
-        if self.temperature == 0:
-            return None
-        seed = self.seed if self.seed is not None else random.getrandbits(63)
-        key = [mx.random.key(seed)]
-        inv_temp, top_p = 1.0 / self.temperature, self.top_p
-
-        def sample(logprobs: mx.array) -> mx.array:
-            key[0], sub = mx.random.split(key[0])
-            if top_p < 1.0:
-                logprobs = apply_top_p(logprobs, top_p)
-            return mx.random.categorical(logprobs * inv_temp, key=sub)
-
-        return sample
-
-
-@attrs.frozen(kw_only=True)
-class Usage:
-    """Tokens one turn cost."""
-
-    #: New tokens run through the model before generating (the prefill).
-    prompt_tokens: int
-    #: History tokens taken from cache blocks instead of being prefilled again.
-    cached_tokens: int
-    #: Tokens generated.
-    generated_tokens: int
-    #: Of ``cached_tokens``, those taken from blocks other agents' turns computed.
-    shared_tokens: int = 0
-
-
-@attrs.frozen(kw_only=True)
-class Admission:
-    """Where a submitted sequence starts, decided when it is submitted."""
-
-    #: Prompt tokens whose cache comes from existing blocks.
-    cached_tokens: int
-    #: Of those, tokens from blocks other agents' turns computed.
-    shared_tokens: int
-    #: Prompt tokens left to prefill.
-    prefill_tokens: int
-    #: The agent whose prefill computes a longer prefix this sequence waits for.
-    waits_for: str | None = None
-    #: How long that prefix is.
-    waits_tokens: int = 0
-
-
-@attrs.frozen(kw_only=True)
-class TokenEvent:
-    """One generated token, as it comes."""
-
-    uid: int
-    token: int
-    #: Text that became printable with this token (may be empty; never half a character).
-    text: str
-
-
-@attrs.frozen(kw_only=True)
-class CompletedGeneration:
-    """A finished sequence: what it generated and its cache, as new blocks."""
-
-    uid: int
-    agent_id: str
-    #: Generated token ids (a final end-of-sequence token included).
-    tokens: tuple[int, ...]
-    #: The generated text, without the end-of-sequence token or a matched stop string.
-    text: str
-    finish_reason: FinishReason
-    #: The whole history's cache (earlier turns, prompt, reply). The caller owns it.
-    blocks: AgentBlocks
-    usage: Usage
-    #: When the sequence was submitted (``time.perf_counter()``).
-    submitted_at: float
-    #: Seconds from submission to the first generated token.
-    ttft_s: float
-    #: Seconds from submission to the end.
-    total_s: float
-
-
-@attrs.frozen(kw_only=True)
-class StepInfo:
-    """What one :meth:`BlockPoolBatchEngine.step` did."""
-
-    #: Sequences that produced a token this step.
-    decode_batch: int
-    #: Prompt tokens run through the model this step.
-    prefill_tokens: int
-    #: Sequences that finished this step.
-    finished: int
-    #: Wall time of the step.
-    seconds: float
-    #: Prefill jobs that ran a chunk, and the seconds they took (publishing included).
-    jobs: int = 0
-    jobs_seconds: float = 0.0
-    #: Sequences that joined the batch, and the seconds of the ``BatchGenerator`` step.
-    joined: int = 0
-    batch_seconds: float = 0.0
-
-
-@attrs.frozen(kw_only=True)
-class EngineStatistics:
-    """Totals since the engine started."""
-
-    #: Calls of :meth:`BlockPoolBatchEngine.step` that ran the model.
-    steps: int
-    #: Prompt tokens prefilled.
-    prefill_tokens: int
-    #: Tokens generated.
-    generated_tokens: int
-    #: History tokens reused from caches instead of prefilled.
-    cached_tokens: int
-    #: Sequences finished.
-    completed: int
-    #: Largest decode batch seen.
-    max_decode_batch: int
-    #: Of ``cached_tokens``, tokens reused from blocks other agents' turns computed.
-    shared_tokens: int = 0
-    #: Prefills run as jobs outside the batch (long prompts, shared prefixes).
-    prefill_jobs: int = 0
-    #: Shared prefixes published by those jobs for sequences waiting on them.
-    checkpoints: int = 0
-
 
 _AUTO: Any = object()
 

@@ -17,7 +17,7 @@ from ..errors import (
     PoolExhaustedError,
     RuntimeClosedError,
 )
-from ._engine import BlockPoolBatchEngine, TokenEvent
+from ._engine import BlockPoolBatchEngine
 from ._image import CacheImage, make_blocks, stored_ids, take_image
 from ._pool import AgentBlocks
 from ._protocol import (
@@ -35,6 +35,7 @@ from ._protocol import (
     Submit,
     Turn,
 )
+from ._records import TokenEvent
 
 Outbox = list[tuple[Any, ...]]
 

@@ -11,9 +11,9 @@ from typing import Protocol
 import anyio
 import attrs
 
-from ._engine import CompletedGeneration, EngineStatistics, Sampling
 from ._image import CacheImage
 from ._pool import AgentBlocks, PoolStatistics
+from ._records import CompletedGeneration, EngineStatistics, Sampling
 
 
 @attrs.define(eq=False)
