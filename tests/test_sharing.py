@@ -19,6 +19,7 @@ from mlx_actors.scheduler._image import make_blocks, take_image
 from mlx_actors.testing import tiny_config, write_random_model
 
 from .conftest import Loaded, ReferenceChat, load, reference, render, run_to_completion
+from .test_agents import FaultyRuntime, long_question
 from .test_engine import N, prompt
 from .test_families import FAMILIES
 
@@ -481,3 +482,40 @@ async def test_two_forks_racing_for_one_name(tiny_dir: Path) -> None:
             await agent.close()
         stats = await rt.stats()
         assert (stats.pool.used_blocks, stats.resident_blocks) == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_a_shared_block_stays_while_a_turn_in_flight_reads_it(
+    tiny: Loaded, tiny_dir: Path
+) -> None:
+    # 23 blocks: ann's cache of two turns (four blocks a layer, the last hers alone),
+    # bob's turn on the brief (three more a layer at most), and no room left for carl's
+    # three unless ann's cache goes; bob reads her first three blocks a layer.
+    async with FaultyRuntime(tiny_dir, pool_blocks=23, log_level="off") as rt:
+        ann = await rt.spawn("ann", system=TEAM_BRIEF, max_tokens=8)
+        bob = await rt.spawn("bob", system=TEAM_BRIEF, max_tokens=8)
+        carl = await rt.spawn("carl", max_tokens=8)
+        await ann.ask("Hi")
+        await ann.ask("Tell me more about the market and the schools.")
+        assert ann.statistics().cached_blocks == 12
+        question = long_question(tiny, bob.history, tokens=300)
+        rt.faulty.delay = 0.005
+        async with bob.stream(question, max_tokens=300) as running:
+            await anext(running)  # bob's turn runs on the brief's blocks, which ann holds
+            first = await carl.ask("Hello")  # room for carl: ann's cache goes to disk
+            assert ann.statistics().on_disk
+            rt.faulty.delay = 0
+            pieces = [piece async for piece in running]
+        reply = running.reply
+        assert reply.usage.shared_tokens >= len(TEAM_BRIEF)  # it read ann's blocks
+        prompt = render(tiny.tokenizer, bob.history[:-1])
+        assert list(reply.tokens) == expected(tiny, prompt, 300)
+        assert pieces
+        assert list(first.tokens) == expected(tiny, render(tiny.tokenizer, carl.history[:-1]), 8)
+        again = await ann.ask("Still there?")  # her cache comes back from disk
+        chat = ReferenceChat(tiny.model, tiny.tokenizer.eos_token_ids)
+        for turn in range(2):
+            chat.turn(render(tiny.tokenizer, ann.history[: 2 + 2 * turn]), 8)
+        assert list(again.tokens) == chat.turn(render(tiny.tokenizer, ann.history[:6]), 8)
+        stats = await rt.stats()
+        assert stats.pool.used_blocks == stats.resident_blocks
