@@ -76,7 +76,7 @@ def test_a_prefix_one_agent_computed_is_reused_and_held_once(
     held(engine.pool, bob.blocks)
     engine.release(bob.blocks)
     assert not any(engine.pool.owns(b) for b in brief_blocks)
-    assert engine.pool.used_blocks == 0 and engine.index.nodes == 1  # the root only
+    assert engine.pool.used_blocks == 0 and engine.index.nodes == 0  # nothing left
 
 
 def test_a_prefix_shared_by_sequences_submitted_together_is_prefilled_once(
@@ -168,7 +168,7 @@ def test_without_sharing_each_agent_computes_its_own(tiny: Loaded) -> None:
     assert again.usage.cached_tokens == blocks.num_tokens and again.usage.shared_tokens == 0
     for r in [*done.values(), again]:
         engine.release(r.blocks)
-    assert pool.used_blocks == 0
+    assert pool.used_blocks == 0 and engine.index.nodes == 0  # no namespace left behind
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3-window-300"])

@@ -35,6 +35,8 @@ class Node:
     blocks: dict[int, KVBlock] = attrs.Factory(dict)
     #: Longer prefixes, by their next chunk's tokens.
     children: dict[tuple[int, ...], Node] = attrs.Factory(dict)
+    #: A root's namespace.
+    namespace: Hashable = None
 
     @property
     def start(self) -> int:
@@ -94,7 +96,7 @@ class PrefixIndex:
     def root(self, namespace: Hashable) -> Node:
         node = self._roots.get(namespace)
         if node is None:
-            node = self._roots[namespace] = Node(None, -1, ())
+            node = self._roots[namespace] = Node(None, -1, (), namespace=namespace)
         return node
 
     @property
@@ -133,6 +135,8 @@ class PrefixIndex:
                 return  # already removed
             del node.parent.children[node.tokens]
             node = node.parent
+        if node.parent is None and not node.children and self._roots.get(node.namespace) is node:
+            del self._roots[node.namespace]
 
     def chain(
         self,
