@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import ModelIntegrityError, ModelNotFoundError, UnsupportedModelError
+from ._gguf_check import check_gguf
 
 __all__ = ["CONVERTER_VERSION", "convert_gguf"]
 
@@ -79,6 +80,7 @@ def convert_gguf(
     path = Path(gguf)
     if not path.is_file():
         raise ModelNotFoundError(f"no GGUF file at {path}")
+    check_gguf(path)
     try:
         loaded = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
