@@ -3,6 +3,7 @@ agents' caches (resident as blocks, or moved to disk when the pool runs short)."
 
 from __future__ import annotations
 
+import collections
 import queue
 import time
 from collections.abc import Callable
@@ -65,6 +66,11 @@ class EngineLoop:
     command queue; a busy one takes what arrived since the last step. Whatever the
     event loop must hear (text, results, failures, caches to write) goes into one
     outbox per step, handed over by ``deliver``.
+
+    A turn the pool has no room for while other turns are in flight waits, in order of
+    arrival, until one of them finishes and frees (or makes evictable) what it held;
+    it is refused with :class:`PoolExhaustedError` only when nothing in flight could
+    make room. Its caller's timeout bounds the wait.
     """
 
     def __init__(
@@ -87,6 +93,11 @@ class EngineLoop:
         self._dtype = engine.spec.layers[0].dtype
         self.agents: dict[str, _Entry] = {}
         self.turns: dict[int, Turn] = {}
+        #: Turns waiting for room in the pool, oldest first (with the cache read back
+        #: from disk for them, if any).
+        self.waiting: collections.deque[tuple[Turn, CacheImage | None]] = collections.deque()
+        #: Whether blocks may have been freed since the waiting turns last tried.
+        self._room = False
         engine.make_room = self._make_room
         self.outbox: Outbox = []
         self.evictions = self.restores = 0
@@ -125,11 +136,15 @@ class EngineLoop:
                     command = None
             if engine.active:
                 self._step()
+            if self.waiting and self._room:
+                self._admit_waiting()
             if self.outbox:
                 items, self.outbox = self.outbox, []
                 self._deliver(items)
 
     def apply(self, command: object) -> None:
+        if isinstance(command, (Commit, Release, Forget, Cancel)):
+            self._room = True
         if isinstance(command, Submit):
             self._admit(command.turn, command.image)
         elif isinstance(command, Cancel):
@@ -173,12 +188,47 @@ class EngineLoop:
         return None if self.engine.share_prefixes else agent
 
     def _admit(self, turn: Turn, image: CacheImage | None) -> None:
+        if self.waiting:  # in order of arrival
+            self._wait_for_room(turn, image, None)
+        elif (short := self._try_admit(turn, image)) is not None:
+            self._wait_for_room(turn, image, short)
+
+    def _admit_waiting(self) -> None:
+        """Admit the waiting turns, oldest first, while they fit."""
+        self._room = False
+        while self.waiting:
+            turn, image = self.waiting[0]
+            if self._try_admit(turn, image) is not None:
+                break
+            self.waiting.popleft()
+
+    def _wait_for_room(
+        self, turn: Turn, image: CacheImage | None, error: PoolExhaustedError | None
+    ) -> None:
+        self.waiting.append((turn, image))
+        self._log.info(
+            "turn.waiting_for_room",
+            agent=turn.agent,
+            turn=turn.id,
+            needed=error.needed if error is not None else None,
+            pool_free=self.pool.free_blocks,
+            waiting=len(self.waiting),
+        )
+
+    def _others_busy(self, agent: str) -> bool:
+        """Whether another agent's turn is in flight (it will free or release blocks)."""
+        return any(entry.busy for name, entry in self.agents.items() if name != agent)
+
+    def _try_admit(self, turn: Turn, image: CacheImage | None) -> PoolExhaustedError | None:
+        """Admit ``turn``, or answer it (refused, or its cache to read back); or, when
+        the pool lacks room now but a turn in flight may make some, say how short it
+        is."""
         entry = self._entry(turn.agent)
         try:
             if entry.blocks is None and entry.tokens:
                 if image is None:  # on disk: the event loop reads it, then sends it back
                     self.outbox.append(("restore", turn, None))
-                    return
+                    return None
                 try:
                     self._restore(turn.agent, entry, image)
                 except CacheReconstructionError as exc:
@@ -186,19 +236,26 @@ class EngineLoop:
                     # from its conversation, and the event loop deletes the files.
                     entry.tokens = ()
                     self.outbox.append(("lost", turn, exc))
-                    return
+                    return None
             uid = self._submit(turn, entry)
+        except PoolExhaustedError as exc:
+            if self._others_busy(turn.agent):
+                return exc
+            self._log.info("turn.refused", agent=turn.agent, turn=turn.id, error=type(exc).__name__)
+            self.outbox.append(("failed", turn, exc))
+            return None
         except MlxActorsError as exc:
             self._log.info("turn.refused", agent=turn.agent, turn=turn.id, error=type(exc).__name__)
             self.outbox.append(("failed", turn, exc))
-            return
+            return None
         except Exception as exc:
             error = EngineError(f"the engine could not take the turn: {exc!r}")
             self.outbox.append(("failed", turn, error))
-            return
+            return None
         entry.busy = True
         turn.uid = uid
         self.turns[uid] = turn
+        return None
 
     def _submit(self, turn: Turn, entry: _Entry) -> int:
         tokens, blocks = turn.tokens, entry.blocks
@@ -357,6 +414,9 @@ class EngineLoop:
     # -- the rest of a turn's life ---------------------------------------------------------
 
     def _cancel(self, turn: Turn) -> None:
+        if any(waiting is turn for waiting, _ in self.waiting):
+            self.waiting = collections.deque(w for w in self.waiting if w[0] is not turn)
+            self._log.info("turn.cancelled", agent=turn.agent, turn=turn.id, waiting=True)
         if turn.uid is not None and self.turns.pop(turn.uid, None) is not None:
             self.engine.cancel(turn.uid)
             self._entry(turn.agent).busy = False
@@ -394,6 +454,7 @@ class EngineLoop:
                 turn = self.turns.pop(uid)
                 self._entry(turn.agent).busy = False
                 self.outbox.append(("failed", turn, exc))
+            self._room = True
             return
         self._refused()
         info = engine.last_step
@@ -411,6 +472,7 @@ class EngineLoop:
                 pool_used=self.pool.used_blocks,
             )
         for result in finished:
+            self._room = True
             turn = self.turns.pop(result.uid)
             usage = result.usage
             self._log.info(
@@ -436,6 +498,12 @@ class EngineLoop:
             if turn is None:
                 continue
             self._entry(turn.agent).busy = False
+            self._room = True
+            if isinstance(error, PoolExhaustedError) and self._others_busy(turn.agent):
+                turn.uid = None  # admitted again once there is room, before later turns
+                self.waiting.appendleft((turn, None))
+                self._log.info("turn.waiting_for_room", agent=turn.agent, turn=turn.id)
+                continue
             self._log.info(
                 "turn.refused", agent=turn.agent, turn=turn.id, error=type(error).__name__
             )
@@ -453,7 +521,7 @@ class EngineLoop:
         return SchedulerStatistics(
             pool=self.pool.statistics(),
             engine=self.engine.statistics(),
-            turns_in_flight=len(self.turns),
+            turns_in_flight=len(self.turns) + len(self.waiting),
             resident_agents=resident,
             resident_blocks=len(holders),
             agent_blocks=held,
@@ -466,9 +534,10 @@ class EngineLoop:
     def close(self, leftovers: list[object]) -> SchedulerStatistics:
         """Fail every turn in flight, free every block, answer what is left unread."""
         closed = RuntimeClosedError("the runtime shut down before the turn finished")
-        for turn in self.turns.values():
+        for turn in [*self.turns.values(), *(turn for turn, _ in self.waiting)]:
             self.outbox.append(("failed", turn, closed))
         self.turns.clear()
+        self.waiting.clear()
         self.engine.close()
         for entry in self.agents.values():
             if entry.blocks is not None:
