@@ -18,6 +18,7 @@ __all__ = [
     "PoolExhaustedError",
     "RuntimeClosedError",
     "StateInUseError",
+    "StateWriteError",
     "TurnTimeoutError",
     "UnknownAgentError",
     "UnsupportedModelError",
@@ -106,3 +107,9 @@ class ModelMismatchError(MlxActorsError, ValueError):
 
 class StateInUseError(MlxActorsError, RuntimeError):
     """Another runtime (in this process or another) has the state directory open."""
+
+
+class StateWriteError(MlxActorsError, OSError):
+    """The state directory could not be written (a full disk, a read-only directory, no
+    permission): the turn, spawn, fork or reset that needed the write did not happen,
+    and the agent is as it was before it."""

@@ -18,14 +18,13 @@ import anyio
 import pytest
 from anyio import wait_all_tasks_blocked
 
-from mlx_actors import Runtime
+from mlx_actors import Reply, Runtime
 from mlx_actors.errors import (
     CorruptStateError,
     ModelMismatchError,
-    PoolExhaustedError,
     StateInUseError,
 )
-from mlx_actors.runtime import _store
+from mlx_actors.runtime import _disk, _store
 from mlx_actors.testing import tiny_config, write_random_model
 
 from .conftest import Loaded, ReferenceChat, reference, render
@@ -99,14 +98,22 @@ async def test_agents_with_a_turn_in_flight_are_never_evicted(tiny: Loaded, tiny
         await bob.ask("Hello")  # not ann's words: identical caches would be one
         await ann.ask("Hi")
         rt.faulty.delay = 0.005
-        async with ann.stream(long_question(tiny, ann.history), max_tokens=300) as running:
-            await anext(running)  # ann's turn is running: bob's cache made room for it
-            assert bob.statistics().on_disk
-            with pytest.raises(PoolExhaustedError, match="turn in flight") as info:
-                await bob.ask("May I?")  # only ann's cache is left, and she is busy
-            assert info.value.needed == 3
-            assert not ann.statistics().on_disk
-        # leaving the stream cancelled ann's turn: she is idle again, and evictable
+        waited: list[Reply] = []
+
+        async def bob_asks() -> None:
+            waited.append(await bob.ask("May I?"))
+
+        async with anyio.create_task_group() as tg:
+            async with ann.stream(long_question(tiny, ann.history), max_tokens=300) as running:
+                await anext(running)  # ann's turn is running: bob's cache made room for it
+                assert bob.statistics().on_disk
+                tg.start_soon(bob_asks)  # only ann's cache is left, and she is busy
+                while (await rt.stats()).turns_in_flight < 2:
+                    pass
+                assert not ann.statistics().on_disk and not waited
+            # leaving the stream cancelled ann's turn: she is idle again, and evictable,
+            # so bob's turn, which waited for room, runs
+        assert waited  # (ann's cancelled turn freed what it had reserved)
         rt.faulty.delay = 0
         await bob.ask(long_question(tiny, bob.history, tokens=300), max_tokens=300)
         assert ann.statistics().on_disk and not bob.statistics().on_disk
@@ -183,13 +190,27 @@ async def test_a_corrupt_cache_is_a_clear_error_then_the_agent_starts_over(
         assert reply.usage.cached_tokens == 0
 
 
+def _signed(change: Any) -> Any:
+    """An edit of a record that signs it again, as a hand (not a bit flip) would."""
+
+    def edit(text: str) -> str:
+        data = json.loads(change(text))
+        return json.dumps(_disk.with_digest(data))
+
+    return edit
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
         (lambda text: "{not json", "not valid JSON"),
-        (lambda text: text.replace('"ann"', '"../evil"'), "agent names must be"),
-        (lambda text: text.replace('"ann"', '"bob"'), "names the agent 'bob'"),
-        (lambda text: text.replace('"turns": 1', '"turns": "one"'), "agent record"),
+        (lambda text: text.replace('"ann"', '"bob"'), "checksum"),
+        (_signed(lambda text: text.replace('"ann"', '"../evil"')), "agent names must be"),
+        (_signed(lambda text: text.replace('"ann"', '"bob"')), "names the agent 'bob'"),
+        (_signed(lambda text: text.replace('"turns": 1', '"turns": "one"')), "turns is"),
+        (_signed(lambda text: text.replace('"top_p"', '"top_q"')), "its options are"),
+        (_signed(lambda text: text.replace('"max_tokens": 12', '"max_tokens": -1')), "max_tokens"),
+        (_signed(lambda text: text.replace('"user"', '"system"')), "role"),
     ],
 )
 async def test_a_corrupt_agent_record_stops_the_start(

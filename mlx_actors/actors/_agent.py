@@ -21,8 +21,12 @@ from ..errors import (
     RuntimeClosedError,
     TurnTimeoutError,
 )
-from ..scheduler import Sampling, Scheduler, Turn
+from ..scheduler import SEEDS, Sampling, Scheduler, Turn, check_stops
 from ._reply import Message, Reply, TurnStream
+
+#: Conversations of fewer characters are rendered on the event loop (under two milliseconds
+#: on a small CPU); longer ones on a worker thread, so that the loop never waits on them.
+RENDER_ON_LOOP = 4_000
 
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 
@@ -52,16 +56,14 @@ class TurnOptions:
         n = self.max_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise InvalidRequestError(f"max_tokens must be an int > 0, got {n!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop, tuple) or check_stops(self.stop) != self.stop:
+            raise InvalidRequestError(f"stop must be a tuple of strings, got {self.stop!r}")
         Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
 
     def override(self, **changes: Any) -> TurnOptions:
         changes = {k: v for k, v in changes.items() if v is not None}
-        if isinstance(changes.get("stop"), str):
-            changes["stop"] = (changes["stop"],)
-        elif "stop" in changes:
-            changes["stop"] = tuple(changes["stop"])
+        if "stop" in changes:
+            changes["stop"] = check_stops(changes["stop"])
         return attrs.evolve(self, **changes) if changes else self
 
 
@@ -88,10 +90,14 @@ class Keeper(Protocol):
     new agents from it."""
 
     async def changed(self, agent: Agent) -> None:
-        """After a turn or a reset: save what changed."""
+        """After a turn or a reset: save what changed (raise
+        :class:`~mlx_actors.errors.StateWriteError` if it could not be saved)."""
+
+    def closing(self, agent: Agent) -> None:
+        """``close()`` began: the name stays taken until :meth:`closed`."""
 
     async def closed(self, agent: Agent) -> None:
-        """After ``close()``: forget the agent."""
+        """After ``close()`` stopped the agent: forget it, and free its name."""
 
     def check_new_name(self, name: str) -> None:
         """Raise :class:`InvalidRequestError` unless a new agent may take ``name``."""
@@ -232,6 +238,7 @@ class Agent:
         self._scope = anyio.CancelScope()
         self._stopped = anyio.Event()
         self._closing: MlxActorsError | None = None
+        self._close_done: anyio.Event | None = None
 
     def __repr__(self) -> str:
         return f"<Agent {self.name!r}, {len(self._messages)} messages>"
@@ -319,6 +326,7 @@ class Agent:
     async def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and free the cache, after
         the turns already in the mailbox."""
+        self._check_loop()
         envelope = Envelope(agent=self, kind="reset")
         await envelope.send()
         await envelope.outcome()
@@ -370,11 +378,21 @@ class Agent:
         """Stop and forget the agent: the running turn is cancelled, queued ones fail
         with :class:`AgentClosedError`, its cache blocks go back to the pool, and what a
         state directory kept of it is deleted."""
-        await self._stop(AgentClosedError(f"agent {self.name!r} is closed"))
-        with anyio.CancelScope(shield=True):
-            await self._scheduler.forget(self.name, drop=True)
+        if self._close_done is not None:  # closed, or being closed, by another call
+            with anyio.CancelScope(shield=True):
+                await self._close_done.wait()
+            return
+        self._close_done = anyio.Event()
+        try:
             if self._keeper is not None:
-                await self._keeper.closed(self)
+                self._keeper.closing(self)
+            await self._stop(AgentClosedError(f"agent {self.name!r} is closed"))
+            with anyio.CancelScope(shield=True):
+                await self._scheduler.forget(self.name, drop=True)
+                if self._keeper is not None:
+                    await self._keeper.closed(self)
+        finally:
+            self._close_done.set()
 
     # -- inside the agent -----------------------------------------------------------------
 
@@ -391,16 +409,32 @@ class Agent:
     ) -> Envelope:
         if self._closing is not None:
             raise self._closed_error()
-        if not isinstance(text, str) or not text.strip():
-            raise InvalidRequestError(f"text must be a non-empty string, got {text!r}")
+        self._check_loop()
+        text = check_text("text", text, self._scheduler.max_text_chars)
         if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout < math.inf
         ):
             raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         options = self.options.override(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop
         )
         return Envelope(agent=self, kind=kind, text=text, options=options, timeout=timeout)
+
+    def _check_loop(self) -> None:
+        """Refuse a call from another event loop than the runtime's: its wake-ups would
+        never reach the caller's loop."""
+        try:
+            here = anyio.lowlevel.current_token()
+        except Exception:
+            here = None
+        if here != self._scheduler.token:
+            raise InvalidRequestError(
+                f"agent {self.name!r} was called from another event loop (or thread) than "
+                "its Runtime's; call it from the runtime's loop, for instance with "
+                "anyio.from_thread.run(agent.ask, text, token=...) from a worker thread"
+            )
 
     def _closed_error(self) -> MlxActorsError:
         return self._closing or AgentClosedError(f"agent {self.name!r} is closed")
@@ -464,10 +498,14 @@ class Agent:
         messages = [*self._messages, Message(role="user", content=envelope.text)]
         seed = options.seed
         if seed is not None and self.options.seed == seed:
-            seed += self._turns  # an agent's seed gives each of its turns its own stream
+            seed = (seed + self._turns) % SEEDS  # each of the agent's turns its own stream
+        if sum(len(m.content) for m in messages) + len(self.system or "") < RENDER_ON_LOOP:
+            tokens = self._render(messages)  # quick: not worth a thread hop
+        else:
+            tokens = await anyio.to_thread.run_sync(self._render, messages, abandon_on_cancel=True)
         turn = Turn(
             agent=self.name,
-            tokens=self._render(messages),
+            tokens=tokens,
             max_tokens=options.max_tokens,
             sampling=Sampling(temperature=options.temperature, top_p=options.top_p, seed=seed),
             stop=options.stop,
@@ -475,6 +513,7 @@ class Agent:
         )
         result = await self._scheduler.run_turn(turn)
         # Commit the reply and its cache together: nothing awaits until the keeper.
+        before = self._messages, self._turns
         self._scheduler.commit(self.name, result.blocks)
         self._cached_tokens, self._cached_blocks = (
             result.blocks.num_tokens,
@@ -483,8 +522,19 @@ class Agent:
         self._messages = [*messages, Message(role="assistant", content=result.text)]
         self._turns += 1
         if self._keeper is not None:
-            with anyio.CancelScope(shield=True):  # the turn happened: it must be kept
-                await self._keeper.changed(self)
+            # The turn is kept once saved; a caller who gave up meanwhile (a cancel, a
+            # timeout) or a save that failed leaves the agent as it was before the turn.
+            # (The cache keeps the turn's tokens: a later turn reuses what it shares.)
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._keeper.changed(self)
+                except BaseException:
+                    self._messages, self._turns = before
+                    raise
+                if envelope.cancelled:
+                    self._messages, self._turns = before
+                    await self._save_undo()
+                    return
         envelope.reply = Reply(
             text=result.text,
             tokens=result.tokens,
@@ -493,6 +543,14 @@ class Agent:
             ttft_s=result.submitted_at + result.ttft_s - started,
             total_s=time.perf_counter() - started,
         )
+
+    async def _save_undo(self) -> None:
+        """Save the agent as it was before a turn its caller gave up on."""
+        assert self._keeper is not None
+        try:
+            await self._keeper.changed(self)
+        except MlxActorsError as exc:
+            self._log.error("agent.save_failed", agent=self.name, error=str(exc))
 
     async def _fork(self, envelope: Envelope) -> None:
         assert self._keeper is not None and envelope.options is not None
@@ -506,19 +564,49 @@ class Agent:
         envelope.forked = child
 
     async def _reset(self) -> None:
+        before = self._messages
         self._messages, self._cached_tokens, self._cached_blocks = [], 0, 0
         with anyio.CancelScope(shield=True):
             await self._scheduler.forget(self.name, drop=True)
             if self._keeper is not None:
-                await self._keeper.changed(self)
+                try:
+                    await self._keeper.changed(self)
+                except BaseException:
+                    self._messages = before  # as the state directory still has it
+                    raise
 
     def _render(self, messages: list[Message]) -> list[int]:
+        """The conversation as the model reads it (on a worker thread: long histories
+        take a while, and the tokenizer is not thread-safe)."""
         system = [Message(role="system", content=self.system)] if self.system else []
         conversation = [m.as_dict() for m in (*system, *messages)]
-        tokens = self._tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True
-        )
+        with self._scheduler.tokenizer_lock:
+            tokens = self._tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True
+            )
         return [int(t) for t in tokens]
+
+
+def check_text(what: str, text: object, limit: int | None = None) -> str:
+    """``text`` if it is a non-empty string a model can read, and no longer than
+    ``limit`` characters (checked before anything tokenises it)."""
+    if not isinstance(text, str) or not text.strip():
+        shown = repr(text)
+        shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
+        raise InvalidRequestError(f"{what} must be a non-empty string, got {shown}")
+    if limit is not None and len(text) > limit:
+        raise InvalidRequestError(
+            f"{what} has {len(text):,} characters, more than any turn of this model and "
+            f"pool can hold (at most {limit:,}, even at the longest tokens)"
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{what} is not valid Unicode (a lone surrogate at {exc.start}); a model reads "
+            "only text that encodes as UTF-8"
+        ) from None
+    return text
 
 
 def _pusher(push: MemoryObjectSendStream[str]) -> Callable[[str], None]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
+import stat
 import struct
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -16,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptStateError
+from ..errors import CorruptStateError, StateWriteError
 
 #: safetensors dtype codes of the cache dtypes, and numpy types of the same width.
 DTYPE_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
@@ -76,6 +78,68 @@ def make_dir(path: Path) -> None:
     _fsync_dir(path.parent)
 
 
+# -- staying inside a directory -------------------------------------------------------------
+#
+# A state directory's files are reached only through real directories: a symbolic link
+# in it (planted, or left by a user) is never followed, to read, to write or to delete,
+# so that nothing outside the directory is ever touched. Files are opened with
+# ``O_NOFOLLOW``; writes replace a link rather than follow it (``rename``); deletes
+# remove the link itself.
+
+
+def real_dir(path: Path, root: Path, *, create: bool = True) -> bool:
+    """Whether ``path`` (``root`` or a directory below it) is there, created if missing
+    and ``create``; raises :class:`CorruptStateError` if it, ``root`` or a directory
+    between them is a symbolic link or not a directory."""
+    here = root
+    for part in (None, *path.relative_to(root).parts):
+        here = here if part is None else here / part
+        try:
+            mode = os.lstat(here).st_mode
+        except FileNotFoundError:
+            if not create:
+                return False
+            make_dir(here)
+            mode = os.lstat(here).st_mode
+        if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
+            what = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+            raise CorruptStateError(
+                f"{here} is {what}: a state directory must hold its own files (nothing is "
+                "followed out of it); remove it"
+            )
+    return True
+
+
+def files_in(path: Path) -> list[Path]:
+    """The regular files directly in ``path`` (links and directories left out)."""
+    with os.scandir(path) as it:
+        return [Path(e.path) for e in it if e.is_file(follow_symlinks=False)]
+
+
+def dirs_in(path: Path) -> list[Path]:
+    """The real directories directly in ``path`` (links left out)."""
+    with os.scandir(path) as it:
+        return [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
+
+
+def read_file(path: Path) -> bytes:
+    """The bytes of ``path``, never through a symbolic link (:class:`CorruptStateError`
+    if it is one; ``FileNotFoundError`` if it is missing)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptStateError(f"{path} is a symbolic link, which is not followed") from exc
+        raise
+    with open(fd, "rb") as f:
+        return f.read()
+
+
+def writing(what: str, path: Path, exc: OSError) -> StateWriteError:
+    """The typed error for a write of the state directory that failed."""
+    return StateWriteError(f"could not write {what} ({path}): {exc.strerror or exc}")
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -88,9 +152,28 @@ def write_json(path: Path, value: Any) -> None:
     write_atomic(path, json.dumps(value, indent=1, sort_keys=True).encode())
 
 
+def json_digest(value: Mapping[str, Any]) -> str:
+    """The checksum a JSON record carries: a sha256 over everything in it but itself."""
+    rest = {k: v for k, v in value.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def with_digest(value: Mapping[str, Any]) -> dict[str, Any]:
+    """``value`` with its checksum added (``"sha256"``)."""
+    return {**value, "sha256": json_digest(value)}
+
+
+def checked(path: Path, value: Any) -> dict[str, Any]:
+    """``value`` as read from ``path``, a JSON object whose checksum matches, without it
+    (:class:`CorruptStateError` otherwise)."""
+    if not isinstance(value, dict) or value.get("sha256") != json_digest(value):
+        raise CorruptStateError(f"{path} does not match its checksum: corrupt or edited")
+    return {k: v for k, v in value.items() if k != "sha256"}
+
+
 def read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_bytes())
+        return json.loads(read_file(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptStateError(f"{path} is not valid JSON (corrupt or truncated): {exc}") from exc
 
@@ -124,7 +207,7 @@ def read_safetensors(path: Path, sha256: str | None = None) -> tuple[dict[str, n
     """Tensors of a safetensors file (as unsigned bits) and their dtype; checks the file's
     checksum and that every tensor lies inside it."""
     try:
-        data = path.read_bytes()
+        data = read_file(path)
     except FileNotFoundError as exc:
         raise CorruptStateError(f"{path} is missing") from exc
     if sha256 is not None and piecewise_sha256(data) != sha256:

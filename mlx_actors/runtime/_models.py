@@ -12,7 +12,13 @@ from typing import Any
 import attrs
 from mlx.nn.layers.base import Module
 
-from ..errors import InvalidRequestError, ModelNotFoundError
+from ..errors import (
+    InvalidRequestError,
+    MlxActorsError,
+    ModelIntegrityError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
 from ._default import cached_conversion, default_model_dir, sha256_of
 from ._trace import ModuleLog
 
@@ -102,8 +108,24 @@ def load_model(
         loaded, tokenizer, config = mlx_lm.load(str(path), return_config=True)
     except FileNotFoundError as exc:
         raise ModelNotFoundError(f"incomplete model directory {path}: {exc}") from exc
+    except MlxActorsError:
+        raise
+    except Exception as exc:  # what a broken directory raises, from mlx-lm or below
+        raise _load_error(path, exc) from exc
     log.info("model.loaded", path=str(path), seconds=round(time.monotonic() - started, 2))
     return LoadedModel(path=path, model=loaded, tokenizer=tokenizer, config=config)
+
+
+def _load_error(path: Path, exc: Exception) -> MlxActorsError:
+    """The typed error for a model directory mlx-lm could not load: a model type it
+    lacks, or files that do not add up (bad JSON, missing config fields, truncated or
+    mismatched weights, a broken tokenizer)."""
+    detail = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ValueError) and "not supported" in str(exc):
+        return UnsupportedModelError(f"mlx-lm cannot run the model in {path}: {detail}")
+    return ModelIntegrityError(
+        f"{path} is not a loadable mlx-lm model (corrupt, truncated or incomplete): {detail}"
+    )
 
 
 def _converted_gguf(path: Path, dequantize: bool) -> Path:

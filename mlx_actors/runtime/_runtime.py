@@ -14,8 +14,16 @@ import anyio
 import attrs
 from anyio.abc import TaskGroup
 
-from ..actors import Agent, Message, TurnOptions, check_name
-from ..errors import InvalidRequestError, RuntimeClosedError, UnknownAgentError
+from ..actors import Agent, Message, TurnOptions, check_name, check_text
+from ..errors import (
+    AgentClosedError,
+    CorruptStateError,
+    InvalidRequestError,
+    MlxActorsError,
+    RuntimeClosedError,
+    StateWriteError,
+    UnknownAgentError,
+)
 from ..scheduler import PoolStatistics, Scheduler
 from ._models import load_model
 from ._state import AgentRecord, StateDir
@@ -173,9 +181,10 @@ class Runtime:
         #: Names of agents being made (a fork), not yet in ``_agents``.
         self._claimed: set[str] = set()
         self._keeping: dict[str, anyio.Lock] = {}
-        #: Names of closed agents, whose files must not be written again.
-        self._dropped: set[str] = set()
-        #: Every agent not closed by its user, live or stopped: what leaving keeps.
+        #: Names (case-folded) of agents being closed: taken until their files are gone.
+        self._closing: dict[str, anyio.Event] = {}
+        #: Every agent not closed by its user, live or stopped: what leaving keeps (and
+        #: the only agents whose files are written).
         self._kept: dict[str, Agent] = {}
         self._tg: TaskGroup | None = None
         self._closed = False
@@ -200,7 +209,7 @@ class Runtime:
 
     async def __aenter__(self) -> Runtime:
         if self._tg is not None or self._closed:
-            raise RuntimeError("a Runtime can be entered only once")
+            raise InvalidRequestError("a Runtime can be entered only once; make a new one")
         if self._state is not None:
             store = self._state.caches()
         else:
@@ -228,19 +237,30 @@ class Runtime:
 
     async def _resume(self) -> None:
         """Bring back the agents a state directory holds; their caches stay on disk
-        until their next turn."""
+        until their next turn. A cache that cannot be read costs only that agent its
+        cache; a cache no agent record lists (its agent never finished being made) is
+        deleted."""
         if self._state is None:
             return
         records = await anyio.to_thread.run_sync(self._state.records)
+        names = {record.name for record in records}
+        for orphan in await anyio.to_thread.run_sync(self._store.agents):
+            if orphan not in names:
+                await self._store.drop(orphan)
         for record in records:
-            tokens = await anyio.to_thread.run_sync(self._store.tokens, record.name)
+            try:
+                tokens = await anyio.to_thread.run_sync(self._store.tokens, record.name)
+            except CorruptStateError as exc:
+                self.log.error("blocks.lost", agent=record.name, error=str(exc))
+                await self._store.drop(record.name)
+                tokens = ()
             if tokens:
                 self._scheduler.adopt(record.name, tokens)
             assert self._scheduler.spec is not None
             await self._start_agent(
-                check_name(record.name),
+                record.name,
                 system=record.system,
-                options=TurnOptions(**{**record.options, "stop": tuple(record.options["stop"])}),
+                options=record.options,
                 mailbox_size=self._mailbox_size,
                 messages=[Message(role=m["role"], content=m["content"]) for m in record.messages],
                 turns=record.turns,
@@ -296,56 +316,97 @@ class Runtime:
 
     async def flush(self) -> None:
         """Finish the disk work asked for so far. With a ``state_dir``, first save every
-        agent as it stands (a checkpoint, useful with ``persist="exit"``)."""
+        agent as it stands (a checkpoint, useful with ``persist="exit"``).
+
+        Raises:
+            StateWriteError: an agent could not be saved (the others were).
+        """
         if self._tg is None or self._closed:
             raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
+        failures: list[StateWriteError] = []
         if self._state is not None:
+
+            async def keep(agent: Agent) -> None:
+                try:
+                    await self._keep(agent)
+                except StateWriteError as exc:
+                    failures.append(exc)
+
             async with anyio.create_task_group() as tg:
                 for agent in list(self._agents.values()):
-                    tg.start_soon(self._keep, agent)
+                    tg.start_soon(keep, agent)
         await self._scheduler.idle_disk()
+        if failures:
+            raise failures[0]
+
+    @property
+    def token(self) -> anyio.lowlevel.EventLoopToken | None:
+        """The event loop the runtime runs on: from another thread, call an agent with
+        ``anyio.from_thread.run(agent.ask, text, token=rt.token)`` (``None`` before
+        entering)."""
+        return self._scheduler.token if self._tg is not None else None
 
     async def _keep(self, agent: Agent) -> None:
-        """Save the agent's record, then its cache; one save of an agent at a time."""
+        """Save the agent's record, then its cache; one save of an agent at a time. The
+        record is what keeps the turn (:class:`StateWriteError` if it cannot be
+        written); a cache that cannot be written is only logged: the one on disk stays
+        valid for the conversation's beginning, and a later turn prefills the rest."""
         assert self._state is not None
         async with self._keeping.setdefault(agent.name, anyio.Lock()):
-            if agent.name not in self._dropped:
-                await self._write_agent(agent)
+            if self._kept.get(agent.name) is not agent:  # closed: its files are gone
+                return
+            options = agent.options
+            messages = [m.as_dict() for m in agent.history if m.role != "system"]
+            record = AgentRecord(
+                name=agent.name,
+                system=agent.system,
+                options=options,
+                messages=messages,
+                turns=agent.statistics().turns,
+            )
+            await self._state.save(record)
+            try:
+                await self._scheduler.save(agent.name)
+            except MlxActorsError as exc:
+                self.log.error("blocks.save_failed", agent=agent.name, error=str(exc))
 
     async def _keep_or_log(self, agent: Agent) -> None:
         try:
             await self._keep(agent)
-        except Exception as exc:  # the turn itself is done; the disk is what failed
-            self.log.error("agent.save_failed", agent=agent.name, error=repr(exc))
-
-    async def _write_agent(self, agent: Agent) -> None:
-        assert self._state is not None
-        options = {**attrs.asdict(agent.options), "stop": list(agent.options.stop)}
-        messages = [m.as_dict() for m in agent.history if m.role != "system"]
-        record = AgentRecord(
-            name=agent.name,
-            system=agent.system,
-            options=options,
-            messages=messages,
-            turns=agent.statistics().turns,
-        )
-        await self._state.save(record)
-        await self._scheduler.save(agent.name)
+        except MlxActorsError as exc:  # leaving: nobody left to tell but the trace
+            self.log.error("agent.save_failed", agent=agent.name, error=str(exc))
 
     async def changed(self, agent: Agent) -> None:
         """The agents' keeper: save an agent after each turn (``persist="turn"``)."""
         if self._state is not None and self._state.persist == "turn":
-            await self._keep_or_log(agent)
+            await self._keep(agent)
+
+    def closing(self, agent: Agent) -> None:
+        """The agents' keeper: ``agent.close()`` began; its name stays taken until
+        :meth:`closed`, so that a new agent of that name waits for the old one's files
+        to be gone."""
+        self._closing.setdefault(agent.name.casefold(), anyio.Event())
 
     async def closed(self, agent: Agent) -> None:
         """The agents' keeper: a closed agent is forgotten by the state directory."""
-        if self._state is not None:
-            async with self._keeping.setdefault(agent.name, anyio.Lock()):
-                self._dropped.add(agent.name)
-                self._kept.pop(agent.name, None)
-                # Again, under the lock: a save that was under way may have written it.
-                await self._scheduler.forget(agent.name, drop=True)
-                await self._state.delete(agent.name)
+        try:
+            if self._state is not None and self._kept.get(agent.name) is agent:
+                async with self._keeping.setdefault(agent.name, anyio.Lock()):
+                    del self._kept[agent.name]
+                    # Again, under the lock: a save that was under way may have written it.
+                    await self._scheduler.forget(agent.name, drop=True)
+                    await self._state.delete(agent.name)
+            elif self._kept.get(agent.name) is agent:
+                del self._kept[agent.name]
+        finally:
+            done = self._closing.pop(agent.name.casefold(), None)
+            if done is not None:
+                done.set()
+
+    async def _name_free(self, name: str) -> None:
+        """Wait until no agent called ``name`` is being closed."""
+        while (closing := self._closing.get(str(name).casefold())) is not None:
+            await closing.wait()
 
     # -- agents ---------------------------------------------------------------------------
 
@@ -372,8 +433,8 @@ class Runtime:
             mailbox_size: this agent's mailbox size (default: the runtime's).
         """
         self.check_new_name(name)
-        if system is not None and not isinstance(system, str):
-            raise InvalidRequestError(f"system must be a string, got {system!r}")
+        if system is not None and system != "":
+            check_text("system", system, self._scheduler.max_text_chars)
         if mailbox_size is not None and (
             isinstance(mailbox_size, bool) or not isinstance(mailbox_size, int) or mailbox_size <= 0
         ):
@@ -381,14 +442,27 @@ class Runtime:
         options = TurnOptions(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
         ).override(stop=stop)
-        self._dropped.discard(name)
+        await self._name_free(name)
+        self.check_new_name(name)
         agent = await self._start_agent(
             name, system=system or None, options=options, mailbox_size=mailbox_size
         )
-        if self._state is not None and self._state.persist == "turn":
-            await self._keep(agent)
+        await self._first_save(agent)
         self.log.info("agent.spawned", agent=name)
         return agent
+
+    async def _first_save(self, agent: Agent) -> None:
+        """Save a new agent (``persist="turn"``); if that fails, it never existed."""
+        if self._state is None or self._state.persist != "turn":
+            return
+        try:
+            await self._keep(agent)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                del self._kept[agent.name]
+                await agent._stop(AgentClosedError(f"agent {agent.name!r} was not made"))
+                await self._scheduler.forget(agent.name, drop=True)
+            raise
 
     def check_new_name(self, name: str) -> None:
         """Raise unless a new agent may be called ``name`` (the agents' keeper)."""
@@ -405,10 +479,10 @@ class Runtime:
         self, parent: Agent, name: str, options: TurnOptions, mailbox_size: int | None
     ) -> Agent:
         """The agents' keeper: start ``name`` with ``parent``'s conversation and cache."""
+        await self._name_free(name)
         self.check_new_name(name)
         self._claimed.add(name)  # taken from now on: the fork awaits the engine thread
         try:
-            self._dropped.discard(name)
             await self._scheduler.fork(parent.name, name)
             stats = parent.statistics()
             agent = await self._start_agent(
@@ -422,8 +496,7 @@ class Runtime:
             )
         finally:
             self._claimed.discard(name)
-        if self._state is not None and self._state.persist == "turn":
-            await self._keep(agent)
+        await self._first_save(agent)
         return agent
 
     async def _start_agent(self, name: str, *, mailbox_size: int | None, **kwargs: Any) -> Agent:

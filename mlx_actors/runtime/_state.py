@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import attrs
 
-from ..actors import check_name
+from ..actors import TurnOptions, check_name
 from ..errors import (
     CorruptStateError,
     InvalidRequestError,
@@ -20,11 +20,24 @@ from ..errors import (
     StateInUseError,
 )
 from ._default import sha256_of
-from ._disk import FORMAT, make_dir, read_json, write_json
-from ._store import DiskCacheStore
+from ._disk import (
+    checked,
+    dirs_in,
+    files_in,
+    make_dir,
+    read_json,
+    real_dir,
+    with_digest,
+    write_json,
+    writing,
+)
+from ._store import BLOCKS, DiskCacheStore
 
 #: ``persist=`` values: save after every turn, or only when leaving the runtime.
 PERSIST_MODES = ("turn", "exit")
+#: The format of agent records and ``runtime.json`` (1 had no checksum; still read).
+FORMAT = 2
+_OPTIONS = {a.name for a in attrs.fields(TurnOptions)}
 
 
 @attrs.frozen(kw_only=True)
@@ -33,33 +46,58 @@ class AgentRecord:
 
     name: str
     system: str | None
-    options: dict[str, Any]
+    options: TurnOptions
     messages: list[dict[str, str]]
     turns: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, **attrs.asdict(self)}
+        options = {**attrs.asdict(self.options), "stop": list(self.options.stop)}
+        record = {**attrs.asdict(self, recurse=False), "options": options}
+        return with_digest({"format": FORMAT, **record})
 
     @classmethod
     def from_json(cls, path: Path, data: Any) -> AgentRecord:
         try:
-            if data.get("format") != FORMAT:
+            if not isinstance(data, dict):
+                raise ValueError(f"it holds {type(data).__name__}, not an object")
+            if data.get("format") not in (1, FORMAT):
                 raise ValueError(f"format {data.get('format')!r}")
+            if data["format"] == FORMAT:
+                data = checked(path, data)
             messages = [
-                {"role": str(m["role"]), "content": str(m["content"])} for m in data["messages"]
+                {"role": _text(m["role"]), "content": _text(m["content"])} for m in data["messages"]
             ]
+            if any(m["role"] not in ("user", "assistant") for m in messages):
+                raise ValueError("a message's role is neither 'user' nor 'assistant'")
             name = check_name(data["name"])
             if path.stem != name:
                 raise ValueError(f"it names the agent {name!r}")
+            options = dict(data["options"])
+            if set(options) != _OPTIONS:
+                raise ValueError(f"its options are {sorted(options)}, not {sorted(_OPTIONS)}")
+            stop = options["stop"]
+            if not isinstance(stop, list):
+                raise ValueError(f"stop is {stop!r}")
+            turns = data["turns"]
+            if isinstance(turns, bool) or not isinstance(turns, int) or turns < 0:
+                raise ValueError(f"turns is {turns!r}")
             return cls(
                 name=name,
-                system=None if data["system"] is None else str(data["system"]),
-                options=dict(data["options"]),
+                system=None if data["system"] is None else _text(data["system"]),
+                options=TurnOptions(**{**options, "stop": tuple(stop)}),
                 messages=messages,
-                turns=int(data["turns"]),
+                turns=turns,
             )
-        except (AttributeError, KeyError, TypeError, ValueError, InvalidRequestError) as exc:
+        except CorruptStateError:
+            raise
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise CorruptStateError(f"{path} is not an agent record: {exc!r}") from exc
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not text")
+    return value
 
 
 class StateDir:
@@ -69,13 +107,14 @@ class StateDir:
         agents/NAME.json    each agent's settings and conversation
         caches/NAME/        each agent's KV cache (index.json and chunks)
 
-    Nothing is written until :meth:`claim` has checked the model.
+    Nothing is written until :meth:`claim` has checked the model. Every record carries
+    a checksum; nothing is read, written or deleted through a symbolic link.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, persist: str) -> None:
         if persist not in PERSIST_MODES:
             raise InvalidRequestError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
-        self.path = Path(path).expanduser()
+        self.path = Path(path).expanduser().resolve()
         self.persist = persist
         if self.path.exists() and not self.path.is_dir():
             raise InvalidRequestError(f"state_dir {self.path} exists and is not a directory")
@@ -89,10 +128,16 @@ class StateDir:
 
         The directory stays locked (``flock``) until :meth:`release`: a second runtime
         on it gets :class:`StateInUseError`."""
-        make_dir(self.path)
-        self._lock()
+        try:
+            make_dir(self.path)
+            self._lock()
+        except OSError as exc:
+            raise writing("the state directory", self.path, exc) from exc
         try:
             self._check_and_record(model_dir)
+        except OSError as exc:
+            self.release()
+            raise writing("the state directory", self.path, exc) from exc
         except BaseException:
             self.release()
             raise
@@ -116,30 +161,45 @@ class StateDir:
 
     def _check_and_record(self, model_dir: Path) -> None:
         marker = self.path / "runtime.json"
-        known = read_json(marker) if marker.is_file() else {}
+        known = read_json(marker) if os.path.lexists(marker) else {}
         if not isinstance(known, dict):
+            raise CorruptStateError(f"{marker} is not a runtime record")
+        if known.get("format") == FORMAT:
+            known = checked(marker, known)
+        if not isinstance(known.get("weights", {}), dict):
             raise CorruptStateError(f"{marker} is not a runtime record")
         sha256 = weights_checksum(model_dir, known.get("weights", {}))
         recorded = known.get("weights_sha256")
         if recorded is not None and recorded != sha256:
+            made_by = (
+                "other weights at the same path (its files changed since)"
+                if known.get("model") == str(model_dir)
+                else f"the model {known.get('model')!r}"
+            )
             raise ModelMismatchError(
-                f"{self.path} holds caches made by the model {known.get('model')!r} (weights "
-                f"sha256 {recorded[:16]}...), not by {model_dir} ({sha256[:16]}...); open it "
+                f"{self.path} holds caches made by {made_by} (weights sha256 "
+                f"{str(recorded)[:16]}...), not by {model_dir} ({sha256[:16]}...); open it "
                 "with that model, or choose another state_dir"
             )
-        make_dir(self._agents)
+        for path in (self._agents, self.path / "caches", self.path / "caches" / BLOCKS):
+            real_dir(path, self.path)
         # What a process killed in the middle of a write left behind.
-        for leftover in [*self._agents.glob(".*.tmp"), *self.path.glob("caches/*/.*.tmp")]:
-            leftover.unlink(missing_ok=True)
+        caches = self.path / "caches"
+        for folder in [self._agents, *dirs_in(caches)]:
+            for leftover in files_in(folder):
+                if leftover.name.startswith(".") and leftover.name.endswith(".tmp"):
+                    leftover.unlink(missing_ok=True)
         files = _weight_files(model_dir)
         write_json(
             marker,
-            {
-                "format": FORMAT,
-                "model": str(model_dir),
-                "weights_sha256": sha256,
-                "weights": {p.name: [*_stamp(p), _sha_cache(known, p)] for p in files},
-            },
+            with_digest(
+                {
+                    "format": FORMAT,
+                    "model": str(model_dir),
+                    "weights_sha256": sha256,
+                    "weights": {p.name: [*_stamp(p), _sha_cache(known, p)] for p in files},
+                }
+            ),
         )
 
     def caches(self) -> DiskCacheStore:
@@ -148,8 +208,14 @@ class StateDir:
     def records(self) -> list[AgentRecord]:
         """Every saved agent, by name (a corrupt record raises :class:`CorruptStateError`)."""
         out, seen = [], set()
-        for path in sorted(self._agents.glob("*.json")):
-            record = AgentRecord.from_json(path, read_json(path))
+        with os.scandir(self._agents) as it:
+            paths = sorted(Path(e.path) for e in it if e.name.endswith(".json"))
+        for path in paths:
+            try:
+                data = read_json(path)
+            except OSError as exc:
+                raise CorruptStateError(f"{path} cannot be read: {exc}") from exc
+            record = AgentRecord.from_json(path, data)
             if record.name.casefold() in seen:
                 raise CorruptStateError(f"{path} repeats an agent name (names ignore case)")
             seen.add(record.name.casefold())
@@ -157,12 +223,19 @@ class StateDir:
         return out
 
     async def save(self, record: AgentRecord) -> None:
+        """Write the agent's record (:class:`StateWriteError` if it cannot be written)."""
         path = self._agents / f"{record.name}.json"
-        await anyio.to_thread.run_sync(write_json, path, record.to_json())
+        try:
+            await anyio.to_thread.run_sync(write_json, path, record.to_json())
+        except OSError as exc:
+            raise writing(f"agent {record.name!r}", path, exc) from exc
 
     async def delete(self, name: str) -> None:
         path = self._agents / f"{name}.json"
-        await anyio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
+        try:
+            await anyio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
+        except OSError as exc:
+            raise writing(f"agent {name!r}", path, exc) from exc
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

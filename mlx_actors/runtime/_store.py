@@ -4,7 +4,7 @@ agent listing its blocks; a block is stored once, however many agents hold it.""
 from __future__ import annotations
 
 import hashlib
-import json
+import os
 import re
 import shutil
 import threading
@@ -18,13 +18,17 @@ import numpy as np
 from ..errors import CorruptStateError
 from ..scheduler import BLOCK_SIZE, BlockEntry, CacheImage
 from ._disk import (
-    make_dir,
+    dirs_in,
+    files_in,
+    json_digest,
     piecewise_sha256,
     read_json,
     read_safetensors,
+    real_dir,
     safetensors_bytes,
     write_atomic,
     write_json,
+    writing,
 )
 
 #: The format of cache indexes (1 kept the chunks in each agent's directory).
@@ -36,7 +40,7 @@ _CHUNK = re.compile(r"chunk-(\d+)\.safetensors")
 
 def index_digest(index: Mapping[str, Any]) -> str:
     """The checksum an index carries (over everything but itself)."""
-    return hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
+    return json_digest(index)
 
 
 def content_keys(tokens: Sequence[int], blocks: Iterable[tuple[int, int, int]]) -> list[str]:
@@ -96,17 +100,22 @@ class DiskCacheStore:
         """Agents with a cache on disk."""
         if not self.root.is_dir():
             return []
-        return sorted(p.parent.name for p in self.root.glob("*/index.json"))
+        return sorted(p.name for p in dirs_in(self.root) if (p / "index.json").exists())
 
     def tokens(self, agent: str) -> tuple[int, ...]:
         index = self._index(agent)
         return tuple(index["tokens"]) if index is not None else ()
 
     async def save(self, agent: str, image: CacheImage) -> Mapping[int, str]:
-        return await anyio.to_thread.run_sync(self._save, agent, image)
+        try:
+            return await anyio.to_thread.run_sync(self._save, agent, image)
+        except OSError as exc:
+            raise writing(f"the cache of agent {agent!r}", self.where(agent), exc) from exc
 
     async def load(self, agent: str) -> CacheImage:
-        return await anyio.to_thread.run_sync(self._load, agent)
+        # Abandoned if the turn that waits for it is cancelled: a stalled disk never
+        # holds a caller past its timeout (reading changes nothing).
+        return await anyio.to_thread.run_sync(self._load, agent, abandon_on_cancel=True)
 
     async def drop(self, agent: str) -> None:
         await anyio.to_thread.run_sync(self._drop, agent)
@@ -124,7 +133,7 @@ class DiskCacheStore:
         """The agent's index, checked (``None`` if it has none, or one of an older
         format, which the first use of the store deletes)."""
         path = self.where(agent)
-        if not path.is_file():
+        if not real_dir(path.parent, self.root, create=False) or not os.path.lexists(path):
             return None
         try:
             index = read_json(path)
@@ -136,13 +145,14 @@ class DiskCacheStore:
             raise CorruptStateError(f"{path} is not a cache index of format {CACHE_FORMAT}")
         if index.pop("sha256", None) != index_digest(index) or index.get("agent") != agent:
             raise CorruptStateError(f"{path} does not match its checksum: corrupt or edited")
+        _check_refs(path, index)
         return index
 
     def _ensure_ready(self) -> None:
         """Learn which agents use which chunks (under the lock, once)."""
         if self._ready:
             return
-        make_dir(self.blocks)
+        real_dir(self.blocks, self.root)
         all_read = True
         for agent in self.agents():
             try:
@@ -151,15 +161,15 @@ class DiskCacheStore:
                 all_read = False  # its agent's next turn reports it
                 continue
             if index is None:  # an older format: its chunks were in its directory
-                shutil.rmtree(self.root / agent, ignore_errors=True)
+                _remove(self.root / agent)
                 continue
             self._use(agent, index)
         numbers = [
-            int(m.group(1)) for p in self.blocks.iterdir() if (m := _CHUNK.fullmatch(p.name))
+            int(m.group(1)) for p in files_in(self.blocks) if (m := _CHUNK.fullmatch(p.name))
         ]
         self._next = max(numbers, default=0) + 1
         if all_read:  # what a process killed between a chunk and its index left
-            for path in self.blocks.iterdir():
+            for path in files_in(self.blocks):
                 if path.name not in self._users:
                     path.unlink(missing_ok=True)
         self._ready = True
@@ -247,7 +257,7 @@ class DiskCacheStore:
                 "chunks": {name: sums[name] for name in sorted(listed)},
             }
             index["sha256"] = index_digest(index)
-            make_dir(self.root / agent)
+            real_dir(self.root / agent, self.root)
             write_json(self.where(agent), index)
         except BaseException:
             with self._lock:
@@ -284,7 +294,7 @@ class DiskCacheStore:
     def _drop(self, agent: str) -> None:
         with self._lock:
             self._ensure_ready()
-            shutil.rmtree(self.root / agent, ignore_errors=True)
+            _remove(self.root / agent)
             self._release(agent, self._uses.pop(agent, set()))
 
     def _copy(self, agent: str, other: str) -> None:
@@ -296,8 +306,8 @@ class DiskCacheStore:
                 raise CorruptStateError(f"{self.where(agent)} is missing")
             self._release(other, self._uses.pop(other, set()))
             index["agent"] = other
-            index["sha256"] = index_digest({k: v for k, v in index.items() if k != "sha256"})
-            make_dir(self.root / other)
+            index["sha256"] = index_digest(index)
+            real_dir(self.root / other, self.root)
             write_json(self.where(other), index)
             self._use(other, index)
 
@@ -350,3 +360,30 @@ def _rows(
         rows.append([[e.start, e.end, refs[e.key], keys[at + i]] for i, e in enumerate(entries)])
         at += len(entries)
     return rows
+
+
+def _remove(path: Path) -> None:
+    """Delete an agent's directory, or only the link if it is one (never what it
+    points to)."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _check_refs(path: Path, index: Mapping[str, Any]) -> None:
+    """Every chunk an index names is a chunk file's name (so no path leads elsewhere),
+    and every block it lists refers to one of them."""
+    try:
+        chunks = index["chunks"]
+        if not all(isinstance(c, str) and _CHUNK.fullmatch(c) for c in chunks):
+            raise ValueError(f"chunk names {sorted(map(str, chunks))}")
+        for row in index["layers"]:
+            for start, end, ref, key in row:
+                name, _, tensor = str(ref).partition(":")
+                if name not in chunks or not tensor.isdigit():
+                    raise ValueError(f"block reference {ref!r}")
+                if not (isinstance(start, int) and isinstance(end, int) and isinstance(key, str)):
+                    raise ValueError(f"block {[start, end, ref, key]!r}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptStateError(f"{path} does not describe its chunks: {exc!r}") from exc

@@ -57,15 +57,24 @@ class Trace:
         self._render = structlog.dev.ConsoleRenderer(colors=colors)
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
+        self._chrome_file: IO[str] | None = None
         self._chrome: list[dict[str, Any]] | None = None
         self._lanes: dict[str, int] = {}
         self._t0 = time.perf_counter()
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if self.path.suffix == ".jsonl":
-                self._file = self.path.open("w", encoding="utf-8")
-            else:
-                self._chrome = []
+            # Opened now, so that a path that cannot be written fails here, not at exit.
+            # The Chrome trace goes to a temporary file renamed into place at the end.
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                if self.path.suffix == ".jsonl":
+                    self._file = self.path.open("w", encoding="utf-8")
+                else:
+                    self._chrome_file = self._chrome_tmp.open("w", encoding="utf-8")
+                    self._chrome = []
+            except OSError as exc:
+                raise InvalidRequestError(
+                    f"the trace file {self.path} cannot be written: {exc.strerror or exc}"
+                ) from exc
         # structlog filters only standard levels; "off" is handled in _emit.
         floor = min(self._console_level, 10 if self.path is not None else 50)
         self.log: Any = structlog.wrap_logger(
@@ -105,15 +114,20 @@ class Trace:
 
     def close(self) -> None:
         with self._lock:
+            if self._chrome is not None and self._chrome_file is not None:
+                doc = {"traceEvents": self._chrome, "displayTimeUnit": "ms"}
+                self._chrome_file.write(json.dumps(doc))
+                self._chrome_file.close()
+                os.replace(self._chrome_tmp, self._chrome_tmp.with_suffix(""))
+                self._chrome, self._chrome_file = None, None
             if self._file is not None:
                 self._file.close()
                 self._file = None
-            if self._chrome is not None and self.path is not None:
-                doc = {"traceEvents": self._chrome, "displayTimeUnit": "ms"}
-                tmp = self.path.with_suffix(".json.tmp")
-                tmp.write_text(json.dumps(doc), encoding="utf-8")
-                os.replace(tmp, self.path)
-                self._chrome = None
+
+    @property
+    def _chrome_tmp(self) -> Path:
+        assert self.path is not None
+        return self.path.with_suffix(".json.tmp")
 
 
 def _chrome_event(event: dict[str, Any], now_s: float) -> tuple[str, dict[str, Any]]:

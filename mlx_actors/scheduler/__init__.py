@@ -17,12 +17,14 @@ from ._pool import PoolStatistics as PoolStatistics
 from ._protocol import CacheStore as CacheStore
 from ._protocol import SchedulerStatistics as SchedulerStatistics
 from ._protocol import Turn as Turn
+from ._records import SEEDS as SEEDS
 from ._records import CompletedGeneration as CompletedGeneration
 from ._records import EngineStatistics as EngineStatistics
 from ._records import Sampling as Sampling
 from ._records import StepInfo as StepInfo
 from ._records import TokenEvent as TokenEvent
 from ._records import Usage as Usage
+from ._records import check_stops as check_stops
 from ._spec import BLOCK_SIZE as BLOCK_SIZE
 from ._spec import LayerKind as LayerKind
 from ._spec import LayerSpec as LayerSpec

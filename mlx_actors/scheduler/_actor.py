@@ -95,6 +95,11 @@ class Scheduler:
         self.model: Any = None
         self.tokenizer: Any = None
         self.spec: ModelCacheSpec | None = None
+        #: Held while the tokenizer runs (on worker threads): it is not thread-safe.
+        self.tokenizer_lock = threading.Lock()
+        #: A text longer than this many characters cannot fit one turn, whatever it
+        #: tokenises to (set when the engine starts).
+        self.max_text_chars: int | None = None
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -141,6 +146,11 @@ class Scheduler:
         await self._started.wait()
         if self._startup_error is not None:
             raise self._startup_error
+
+    @property
+    def token(self) -> EventLoopToken | None:
+        """The event loop the scheduler serves (``None`` before :meth:`serve`)."""
+        return self._token
 
     def shutdown(self) -> None:
         """Ask the engine thread to stop; every turn still in flight fails with
@@ -445,6 +455,7 @@ class Scheduler:
             share_prefixes=self._share_prefixes,
         )
         self.model, self.tokenizer, self.spec = model, tokenizer, spec
+        self.max_text_chars = _max_text_chars(tokenizer, spec, pool.total_blocks)
         self._log.info(
             "scheduler.started",
             layers=spec.num_layers,
@@ -488,3 +499,19 @@ class Scheduler:
             self._final = loop.close(leftovers)
             deliver(loop.outbox)
             self._log.info("scheduler.stopped", pool_used=self._final.pool.used_blocks)
+
+
+def _max_text_chars(tokenizer: Any, spec: ModelCacheSpec, pool_blocks: int) -> int | None:
+    """More characters than the most tokens one turn can hold, each as long as the
+    vocabulary's longest token, can never fit (``None``: the vocabulary is unknown)."""
+    try:
+        longest = max(len(piece) for piece in tokenizer.get_vocab())
+    except Exception:
+        return None
+    global_layers = spec.num_layers - spec.sliding_layers
+    tokens = pool_blocks // max(global_layers, 1) * spec.block_size
+    if spec.context_length is not None and global_layers:
+        tokens = min(tokens, spec.context_length)
+    elif spec.context_length is not None:
+        tokens = spec.context_length
+    return max(tokens, 1) * max(longest, 1)

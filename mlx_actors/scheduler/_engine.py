@@ -37,6 +37,7 @@ from ._records import (
     StepInfo,
     TokenEvent,
     Usage,
+    check_stops,
 )
 from ._spec import ModelCacheSpec
 from ._text import TextStream
@@ -229,7 +230,7 @@ class BlockPoolBatchEngine:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be an int > 0, got {max_tokens!r}")
         sampling = sampling if sampling is not None else Sampling()
-        stops = _check_stops(stop)
+        stops = check_stops(stop)
         if cache is not None:
             check_blocks(self.pool, cache)
         history_len = cache.num_tokens if cache is not None else 0
@@ -769,15 +770,6 @@ class BlockPoolBatchEngine:
         """Cancel everything in flight and release the generator."""
         self._reset()
         self._generator.close()
-
-
-def _check_stops(stop: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(stop, str):
-        stop = (stop,)
-    stops = tuple(stop)
-    if not all(isinstance(s, str) and s for s in stops):
-        raise InvalidRequestError(f"stop must be a sequence of non-empty strings, got {stop!r}")
-    return stops
 
 
 def _vocab_size(model: Module, tokenizer: Any) -> int:

@@ -15,7 +15,28 @@ from ..errors import InvalidRequestError
 from ._pool import AgentBlocks
 
 FinishReason = Literal["stop", "length"]
+#: Seeds are ints in ``[0, SEEDS)`` (MLX's random keys take 64 bits).
+SEEDS = 1 << 64
+#: Most stop strings a sequence may have, and most characters in each: each one is
+#: looked for after every token, on the engine thread that serves every sequence.
+MAX_STOPS, MAX_STOP_CHARS = 64, 1000
 Sampler = Callable[[mx.array], mx.array]
+
+
+def check_stops(stop: object) -> tuple[str, ...]:
+    """``stop`` (a string or a sequence of them) as a tuple of non-empty strings, within
+    :data:`MAX_STOPS` and :data:`MAX_STOP_CHARS` (:class:`InvalidRequestError` if not)."""
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidRequestError(
+            f"stop must be a string or a sequence of non-empty strings, got {stop!r}"
+        )
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise InvalidRequestError(
+            f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each, "
+            f"got {len(stops)} (the longest of {max(map(len, stops))})"
+        )
+    return tuple(stops)
 
 
 @attrs.frozen(kw_only=True)
@@ -35,10 +56,11 @@ class Sampling:
             raise InvalidRequestError(f"temperature must be a number >= 0, got {t!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        seed = self.seed
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEEDS
         ):
-            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+            raise InvalidRequestError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
 
     def make_sampler(self) -> Sampler | None:
         """A sampler with its own random key, or ``None`` for greedy decoding."""

@@ -52,11 +52,15 @@ class TextStream:
         return text[start:safe], False
 
     def _held_back(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that begins some stop string."""
-        longest = 0
+        """Length of the longest tail of ``text`` (not yet emitted) that begins some stop
+        string. Each stop costs a search for its first character in the last few
+        characters, so many or long stops stay cheap."""
+        n, longest = len(text), 0
         for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(text) - self._emitted), longest, -1):
-                if text.endswith(stop[:k]):
-                    longest = k
+            i = text.find(stop[0], max(self._emitted, n - len(stop) + 1))
+            while i != -1 and n - i > longest:
+                if stop.startswith(text[i:]):
+                    longest = n - i
                     break
+                i = text.find(stop[0], i + 1)
         return longest

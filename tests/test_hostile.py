@@ -1,0 +1,466 @@
+"""What a hostile probe of the public API found (issue 11): nothing a caller was told is
+lost, nothing outside the state directory is touched, and every error is typed."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import math
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio import wait_all_tasks_blocked
+
+from mlx_actors import Runtime
+from mlx_actors.actors._agent import Envelope
+from mlx_actors.errors import (
+    CorruptStateError,
+    InvalidRequestError,
+    MlxActorsError,
+    ModelIntegrityError,
+    StateWriteError,
+    TurnTimeoutError,
+    UnsupportedModelError,
+)
+from mlx_actors.runtime import _disk, _state, _store
+from mlx_actors.runtime._models import load_model
+from mlx_actors.scheduler._text import TextStream
+from mlx_actors.testing import tiny_config, write_random_model
+
+from .conftest import Loaded, ReferenceChat, render
+from .test_persistence import converse, question, snapshot
+
+pytestmark = pytest.mark.anyio
+
+
+def records_on_disk(state: Path, name: str) -> list[dict[str, str]]:
+    return list(json.loads((state / "agents" / f"{name}.json").read_text())["messages"])
+
+
+# -- 1. a turn its caller gave up on is not kept -------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+async def test_a_turn_given_up_while_it_is_saved_is_rolled_back(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The caller gives up exactly while the finished turn is being saved: the turn is
+    undone, in memory and on disk, and a retry does not duplicate the message."""
+    state = tmp_path / "state"
+    gave_up = anyio.Event()
+    saving = anyio.Event()
+    cancel = Envelope.cancel
+
+    def cancel_and_tell(self: Envelope) -> None:
+        cancel(self)
+        gave_up.set()
+
+    save = _state.StateDir.save
+
+    async def slow_save(self: _state.StateDir, record: _state.AgentRecord) -> None:
+        if len(record.messages) == 2 and not saving.is_set():  # the first turn's save
+            saving.set()
+            await gave_up.wait()  # the disk is slow: the caller gives up meanwhile
+        await save(self, record)
+
+    monkeypatch.setattr(Envelope, "cancel", cancel_and_tell)
+    monkeypatch.setattr(_state.StateDir, "save", slow_save)
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = await rt.spawn("ann", max_tokens=8)
+        if how == "timeout":
+            with pytest.raises(TurnTimeoutError):
+                # more than the turn takes; the save then waits until it has passed
+                await ann.ask("Hello there", timeout=2)
+        else:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ann.ask, "Hello there")
+                await saving.wait()
+                tg.cancel_scope.cancel()
+        assert ann.history == () and ann.statistics().turns == 0
+        assert records_on_disk(state, "ann") == []
+        reply = await ann.ask("Hello there")  # the retry: one user message, not two
+        assert [m.content for m in ann.history] == ["Hello there", reply.text]
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        assert [m.content for m in rt.agent("ann").history] == ["Hello there", reply.text]
+
+
+# -- 2. a full disk: the turn fails, typed, and nothing returned is lost -----------------
+
+
+class Disk:
+    """``write_atomic`` that fails with ENOSPC while ``full`` (for some paths)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.full = False
+        self.only: str | None = None  # only paths containing this fail
+        write = _disk.write_atomic
+
+        def write_atomic(path: Path, data: bytes) -> None:
+            if self.full and (self.only is None or self.only in str(path)):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            write(path, data)
+
+        monkeypatch.setattr(_disk, "write_atomic", write_atomic)
+
+
+async def test_a_full_disk_fails_the_turn_and_loses_no_returned_reply(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "state"
+    disk = Disk(monkeypatch)
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = await rt.spawn("ann", max_tokens=8)
+        first = await ann.ask("One")
+        disk.full = True
+        with pytest.raises(StateWriteError, match="No space left") as info:
+            await ann.ask("Two")
+        assert isinstance(info.value, OSError)
+        assert [m.content for m in ann.history] == ["One", first.text]  # as before the turn
+        with pytest.raises(StateWriteError):
+            await rt.spawn("bob")
+        assert "bob" not in rt.agents  # never made: the name is free again
+        disk.full = False
+        bob = await rt.spawn("bob", max_tokens=8)
+        second = await ann.ask("Two")
+        disk.full, disk.only = True, "caches"  # the cache cannot be written, the record can
+        third = await ann.ask("Three")  # the turn is kept: the cache is only an aid
+        await bob.ask("Hi")
+        disk.full = False
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = rt.agent("ann")
+        assert [m.content for m in ann.history] == [
+            "One", first.text, "Two", second.text, "Three", third.text,
+        ]  # fmt: skip
+        assert "bob" in rt.agents
+        reply = await ann.ask("Four")  # the older cache on disk still serves its prefix
+        assert reply.usage.cached_tokens > 0
+
+
+async def test_opening_a_state_directory_that_cannot_be_written_is_a_typed_error(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StateWriteError):
+        async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=blocker / "s"):
+            pass
+
+
+# -- 4. closing an agent and spawning its name again ---------------------------------------
+
+
+async def test_spawning_a_name_whose_close_is_finishing_keeps_the_new_agent(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        old = await rt.spawn("ann", max_tokens=8)
+        await old.ask("Old words")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(old.close)
+            await wait_all_tasks_blocked()  # the close is under way (its files)
+            new = await rt.spawn("ann", max_tokens=8)  # waits for the old one's files
+            reply = await new.ask("New words")
+        await old.close()  # closing the old one again touches nothing of the new one
+        assert rt.agent("ann") is new
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        assert [m.content for m in rt.agent("ann").history] == ["New words", reply.text]
+
+
+# -- 6. symbolic links: nothing outside the state directory is read, written or deleted --
+
+
+async def test_links_in_the_state_directory_are_never_followed(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    state, outside = tmp_path / "state", tmp_path / "outside"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann", "bob"], range(1))
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me")
+    (outside / "secret.json").write_text(json.dumps({"format": 2}))
+    before = snapshot(outside)
+    # ann's cache directory is now a link to a directory outside
+    for path in (state / "caches" / "ann").iterdir():
+        path.unlink()
+    (state / "caches" / "ann").rmdir()
+    (state / "caches" / "ann").symlink_to(outside)
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        for _ in range(2):  # saves, and their clean-ups
+            await rt.agent("ann").ask("Again?")
+        await rt.agent("ann").reset()
+        await rt.agent("ann").close()
+    assert snapshot(outside) == before
+    # links in place of the state directory's own folders, or of a record: refused
+    for link, target in [
+        (state / "caches" / "_blocks", outside),
+        (state / "agents" / "eve.json", outside / "secret.json"),
+    ]:
+        saved = state / "saved"
+        if link.exists():
+            link.rename(saved)
+        link.symlink_to(target)
+        with pytest.raises(CorruptStateError, match="symbolic link"):
+            async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state):
+                pass
+        link.unlink()
+        if saved.exists():
+            saved.rename(link)
+        assert snapshot(outside) == before
+
+
+async def test_an_index_that_names_a_file_outside_is_corrupt(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann"], range(1))
+    where = state / "caches" / "ann" / "index.json"
+    index = json.loads(where.read_text())
+    (chunk,) = index["chunks"]
+    text = json.dumps(index).replace(chunk, "../../../outside.safetensors")
+    index = json.loads(text)
+    index["sha256"] = _store.index_digest(index)
+    where.write_text(json.dumps(index))
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        reply = await rt.agent("ann").ask(question("ann", 1))
+        assert reply.usage.cached_tokens == 0  # that cache was not used (nor read)
+
+
+# -- 7. a corrupt cache index costs only its agent's cache --------------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+async def test_a_corrupt_cache_index_costs_only_that_agents_cache(
+    tiny: Loaded, tiny_dir: Path, tmp_path: Path, damage: str
+) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann", "bob"], range(2))
+    where = state / "caches" / "ann" / "index.json"
+    data = bytearray(where.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 3] ^= 0x04
+    where.write_bytes(bytes(data))
+    trace = tmp_path / "trace.jsonl"
+    async with Runtime(
+        tiny_dir, pool_blocks=100, log_level="off", state_dir=state, trace=trace
+    ) as rt:
+        ann, bob = rt.agent("ann"), rt.agent("bob")
+        assert ann.cached_tokens == 0 and bob.cached_tokens > 0
+        reply = await ann.ask(question("ann", 2))
+        chat = ReferenceChat(tiny.model, tiny.tokenizer.eos_token_ids)
+        assert list(reply.tokens) == chat.turn(render(tiny.tokenizer, ann.history[:-1]), 12)
+        assert (await bob.ask(question("bob", 2))).usage.cached_tokens > 0
+    lost = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert any(e["event"] == "blocks.lost" and e["agent"] == "ann" for e in lost)
+
+
+# -- 8. a stalled disk read does not hold a caller past its timeout -----------------------
+
+
+async def test_a_stalled_disk_read_is_cancelled_by_the_timeout(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann"], range(1))
+    stalled, load = threading.Event(), _store.DiskCacheStore._load
+
+    def stalled_load(self: _store.DiskCacheStore, agent: str) -> Any:
+        stalled.wait()
+        return load(self, agent)
+
+    monkeypatch.setattr(_store.DiskCacheStore, "_load", stalled_load)
+    unstall = threading.Timer(20, stalled.set)  # so that a failure cannot hang the run
+    unstall.start()
+    try:
+        async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+            ann = rt.agent("ann")
+            with pytest.raises(TurnTimeoutError):
+                await ann.ask(question("ann", 1), timeout=0.5)
+            assert not stalled.is_set()  # the caller got its error while the disk stalls
+            assert len(ann.history) == 3  # the system prompt and the first turn
+            stalled.set()
+            await ann.ask(question("ann", 1))
+    finally:
+        unstall.cancel()
+        stalled.set()
+
+
+# -- 9. records carry checksums --------------------------------------------------------------
+
+
+async def test_bit_flips_in_records_are_corrupt_state(tiny_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann"], range(2))
+    rng = random.Random(11)
+    for path in [state / "agents" / "ann.json", state / "runtime.json"]:
+        good = path.read_bytes()
+        for _ in range(12):
+            data = bytearray(good)
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+            path.write_bytes(bytes(data))
+            with pytest.raises(CorruptStateError, match=path.name):
+                async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state):
+                    pass
+        path.write_bytes(good)
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        assert len(rt.agent("ann").history) == 5
+
+
+# -- 10. every error is typed ----------------------------------------------------------------
+
+
+def _broken_models(base: Path) -> dict[str, Path]:
+    """Model directories broken in the ways users' downloads break."""
+    made = {}
+
+    def model(name: str, **changes: Any) -> Path:
+        path = write_random_model(base / name, tiny_config(), seed=1)
+        config = json.loads((path / "config.json").read_text())
+        config.update(changes)
+        (path / "config.json").write_text(json.dumps(config))
+        made[name] = path
+        return path
+
+    model("bad_json").joinpath("config.json").write_text("{not json")
+    model("unknown_type", model_type="no_such_model")
+    config = model("missing_field") / "config.json"
+    data = json.loads(config.read_text())
+    del data["hidden_size"]
+    config.write_text(json.dumps(data))
+    weights = model("truncated") / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    model("wrong_shape", intermediate_size=96)
+    (model("bad_tokenizer") / "tokenizer.json").write_text("{")
+    return made
+
+
+def test_broken_model_directories_raise_typed_errors(tmp_path: Path) -> None:
+    for name, path in _broken_models(tmp_path).items():
+        with pytest.raises(MlxActorsError) as info:
+            load_model(path)
+        expected = UnsupportedModelError if name == "unknown_type" else ModelIntegrityError
+        assert isinstance(info.value, expected), (name, info.value)
+        assert str(path) in str(info.value)
+
+
+async def test_bad_arguments_raise_typed_errors(tiny_dir: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(InvalidRequestError, match="trace file"):
+        Runtime(tiny_dir, trace=blocker / "trace.jsonl")
+    rt = Runtime(tiny_dir, pool_blocks=100, log_level="off")
+    async with rt:
+        ann = await rt.spawn("ann", max_tokens=4, temperature=1.0)
+        bad: list[dict[str, Any]] = [
+            {"stop": 123},
+            {"stop": [1, 2]},
+            {"stop": ["x"] * 20_000},
+            {"stop": "y" * 5_000},
+            {"timeout": math.nan},
+            {"timeout": -1},
+            {"seed": -1},
+            {"seed": 2**70},
+        ]
+        for options in bad:
+            with pytest.raises(InvalidRequestError):
+                await ann.ask("Hello", **options)
+        for text in ["bad \ud800 surrogate", "x" * 1_000_000, b"bytes", ""]:
+            with pytest.raises(InvalidRequestError):
+                await ann.ask(text)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError):
+            await rt.spawn("bob", system="lone \udfff")
+        await ann.ask("Hello", seed=2**64 - 1)  # the largest seed is fine
+        assert len(ann.history) == 2
+    with pytest.raises(InvalidRequestError, match="only once"):
+        async with rt:
+            pass
+
+
+# -- 11. an agent called from another event loop -------------------------------------------
+
+
+async def test_an_ask_from_another_event_loop_is_refused_or_forwarded(tiny_dir: Path) -> None:
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off") as rt:
+        ann = await rt.spawn("ann", max_tokens=4)
+        outcome: list[Any] = []
+
+        def other_thread() -> None:
+            async def ask() -> Any:
+                return await ann.ask("Hello")
+
+            try:
+                outcome.append(anyio.run(ask))
+            except Exception as exc:
+                outcome.append(exc)
+            # the way that works: run the call on the runtime's own loop
+            outcome.append(anyio.from_thread.run(functools.partial(ann.ask, "Hi"), token=rt.token))
+            anyio.from_thread.run_sync(done.set, token=rt.token)
+
+        done = anyio.Event()
+        threading.Thread(target=other_thread, daemon=True).start()
+        with anyio.fail_after(60):  # an ask stuck in the other loop would never return
+            await done.wait()
+        refused, forwarded = outcome
+        assert isinstance(refused, InvalidRequestError) and "event loop" in str(refused)
+        assert forwarded.text == ann.history[-1].content
+
+
+# -- 12. huge inputs are refused before any work; many stops stay cheap --------------------
+
+
+def test_the_stop_matcher_agrees_with_the_obvious_one() -> None:
+    rng = random.Random(5)
+
+    def obvious(text: str, emitted: int, stops: list[str]) -> int:
+        longest = 0
+        for stop in stops:
+            for k in range(min(len(stop) - 1, len(text) - emitted), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+    for _ in range(3000):
+        stops = ["".join(rng.choices("ab", k=rng.randint(1, 6))) for _ in range(rng.randint(1, 5))]
+        text = "".join(rng.choices("abc", k=rng.randint(0, 12)))
+        stream = TextStream(None, tuple(stops))
+        stream._emitted = rng.randint(0, len(text))
+        assert stream._held_back(text) == obvious(text, stream._emitted, stops)
+
+
+# -- 13. a burst larger than the pool waits for room instead of failing ------------------
+
+
+async def test_a_burst_larger_than_the_pool_queues_and_every_turn_is_answered(
+    tiny: Loaded, tiny_dir: Path
+) -> None:
+    # one short turn takes 3 blocks (one per layer) and reserves up to 6: 24 blocks
+    # hold about 4 turns at once, and 12 agents ask together
+    names = [f"agent{i}" for i in range(12)]
+    async with Runtime(tiny_dir, pool_blocks=24, log_level="off") as rt:
+        agents = [await rt.spawn(n, system=f"You are {n}.", max_tokens=12) for n in names]
+        replies: dict[str, Any] = {}
+
+        async def ask(agent: Any) -> None:
+            replies[agent.name] = await agent.ask(question(agent.name, 0))
+
+        async with anyio.create_task_group() as tg:
+            for agent in agents:
+                tg.start_soon(ask, agent)
+        stats = await rt.stats()
+        assert stats.pool.used_blocks == stats.resident_blocks
+        for agent in agents:
+            chat = ReferenceChat(tiny.model, tiny.tokenizer.eos_token_ids)
+            prompt = render(tiny.tokenizer, agent.history[:-1])
+            assert list(replies[agent.name].tokens) == chat.turn(prompt, 12)
