@@ -293,7 +293,10 @@ class Agent:
             InvalidRequestError: empty or non-string text, bad settings.
             AgentClosedError: the agent was closed.
             RuntimeClosedError: the runtime shut down first.
-            PoolExhaustedError: the pool had no room for the turn.
+            PoolExhaustedError: the pool had no room for the turn, and no turn in
+                flight could make some.
+            StateWriteError: the turn could not be saved to the state directory (it
+                was undone).
         """
         envelope = self._envelope(text, max_tokens, timeout, temperature, top_p, seed, stop)
         await envelope.send()

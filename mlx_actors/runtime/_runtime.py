@@ -119,8 +119,9 @@ class Runtime:
 
     When a turn needs more blocks than are free, the least recently used idle agents'
     caches are written to disk and freed; an agent whose cache is on disk gets it back
-    before its next turn runs. Only when every cache in the pool belongs to an agent
-    with a turn in flight does a turn fail with :class:`PoolExhaustedError`.
+    before its next turn runs. A turn that still finds no room while other turns run
+    waits for them (within its timeout); only a turn nothing in flight could make room
+    for fails with :class:`PoolExhaustedError`.
     """
 
     def __init__(
