@@ -8,6 +8,7 @@ loading, the ``Runtime``, tracing).
 """
 
 from . import errors as errors
+from ._threads import clear_streams_when_thread_ends as _clear_streams_when_thread_ends
 from .actors import Agent as Agent
 from .actors import AgentStatistics as AgentStatistics
 from .actors import Message as Message
@@ -17,5 +18,8 @@ from .runtime import Runtime as Runtime
 from .runtime import RuntimeStatistics as RuntimeStatistics
 from .scheduler import PoolStatistics as PoolStatistics
 from .scheduler import Usage as Usage
+
+# Importing mlx-lm (above) gave this thread MLX state that must not outlive it.
+_clear_streams_when_thread_ends()
 
 __version__ = "0.1.0"

@@ -313,6 +313,67 @@ def test_the_engine_thread_ends_with_the_runtime_and_the_process_exits_cleanly(
     assert (done.returncode, done.stdout.strip()) == (0, "clean"), done.stderr
 
 
+THREAD_EXIT_SCRIPT = """
+import ctypes, sys, threading, time
+import anyio
+
+path, backend, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+def hold_back_thread_end(seconds):
+    # A C++ thread_local destructor registered now runs before those registered
+    # earlier (MLX's, at import), so the thread's end waits until the interpreter is
+    # finalising: what is otherwise a race happens every time. glibc only.
+    try:
+        libc = ctypes.CDLL(None)
+        register = libc.__cxa_thread_atexit_impl
+    except (OSError, AttributeError):
+        return
+    register.argtypes = [ctypes.c_void_p] * 3
+    usleep = ctypes.cast(libc.usleep, ctypes.c_void_p)
+    register(usleep, int(seconds * 1e6), usleep)
+
+class SlowFinalisation:
+    def __del__(self, sleep=time.sleep):
+        sleep(1.0)  # the interpreter is finalising: an ending thread may take the GIL
+
+def worker():
+    from mlx_actors import Runtime  # the first import of mlx and mlx_lm, on this thread
+    hold_back_thread_end(0.3)
+
+    async def main():
+        async with Runtime(path, pool_blocks=64, log_level="off") as rt:
+            agent = await rt.spawn("a")
+            await agent.ask("Tell me about the sea.", max_tokens=4)
+
+    anyio.run(main, backend=backend)
+
+assert "mlx.core" not in sys.modules
+threads = [threading.Thread(target=worker) for _ in range(n)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+slow = SlowFinalisation()
+print("clean")
+"""
+
+
+@pytest.mark.parametrize(("backend", "threads"), [("asyncio", 1), ("trio", 2)])
+def test_a_runtime_in_a_thread_of_its_own_lets_the_process_exit_cleanly(
+    tiny_dir: Path, backend: str, threads: int
+) -> None:
+    # Importing mlx-lm gives the importing thread an MLX random key whose destructor
+    # takes the GIL; run at the thread's very end, it aborted an interpreter already
+    # finalising ("terminate called without an active exception").
+    done = subprocess.run(
+        [sys.executable, "-c", THREAD_EXIT_SCRIPT, str(tiny_dir), backend, str(threads)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "clean"), done.stderr
+
+
 async def test_an_engine_error_fails_its_turns_and_other_agents_keep_working(
     tiny: Loaded, tiny_dir: Path
 ) -> None:
