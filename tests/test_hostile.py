@@ -464,3 +464,136 @@ async def test_a_burst_larger_than_the_pool_queues_and_every_turn_is_answered(
             chat = ReferenceChat(tiny.model, tiny.tokenizer.eos_token_ids)
             prompt = render(tiny.tokenizer, agent.history[:-1])
             assert list(replies[agent.name].tokens) == chat.turn(prompt, 12)
+
+
+# -- what a review of the fixes found ------------------------------------------------------
+
+
+async def test_odd_files_in_the_state_directory_neither_hang_nor_delete(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    import os
+
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann", "bob"], range(1))
+    (state / "caches" / "_blocks" / "index.json").write_text("{}")  # not an agent's
+    os.mkfifo(state / "caches" / "bob" / "index.json.fifo")
+    (state / "caches" / "bob" / "index.json").unlink()
+    os.rename(state / "caches" / "bob" / "index.json.fifo", state / "caches" / "bob" / "index.json")
+    with anyio.fail_after(60):  # a FIFO opened for reading would block for ever
+        async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+            assert (await rt.agent("ann").ask(question("ann", 1))).usage.cached_tokens > 0
+            assert rt.agent("bob").cached_tokens == 0
+        os.mkfifo(state / "agents" / "eve.json")
+        with pytest.raises(CorruptStateError, match="not a regular file"):
+            async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state):
+                pass
+
+
+async def test_records_of_the_older_format_still_open(tiny_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann"], range(1))
+    path = state / "agents" / "ann.json"
+    record = json.loads(path.read_text())
+    del record["sha256"]
+    record["format"] = 1  # what the older version wrote, with what it accepted
+    record["options"].update(seed=-1, stop=[f"stop{i}" for i in range(100)])
+    path.write_text(json.dumps(record))
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        options = rt.agent("ann").options
+        assert options.seed == 2**64 - 1 and len(options.stop) == 64
+        await rt.agent("ann").ask(question("ann", 1))
+
+
+async def test_a_close_that_failed_can_be_retried(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "state"
+    fail = {"delete": True}
+    delete = _state.StateDir.delete
+
+    async def failing_delete(self: _state.StateDir, name: str) -> None:
+        if fail.pop("delete", False):
+            raise StateWriteError("could not write: Read-only file system")
+        await delete(self, name)
+
+    monkeypatch.setattr(_state.StateDir, "delete", failing_delete)
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = await rt.spawn("ann", max_tokens=8)
+        await ann.ask("Hello")
+        with pytest.raises(StateWriteError):
+            await ann.close()
+        await ann.close()  # tried again, and this time deleted
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        assert "ann" not in rt.agents
+
+
+async def test_a_turn_that_cannot_be_undone_is_kept_and_returned(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller timed out while the turn was saved, and the undo cannot be written:
+    the turn stays on disk, so it is kept in memory too, and the caller gets it."""
+    state = tmp_path / "state"
+    gave_up = anyio.Event()
+    cancel = Envelope.cancel
+
+    def cancel_and_tell(self: Envelope) -> None:
+        cancel(self)
+        gave_up.set()
+
+    save = _state.StateDir.save
+    saves = []
+
+    async def save_then_fail(self: _state.StateDir, record: _state.AgentRecord) -> None:
+        saves.append(len(record.messages))
+        if saves[-1] == 2:
+            await save(self, record)
+            await gave_up.wait()
+        elif len(saves) > 2:  # the undo
+            raise StateWriteError("could not write: No space left on device")
+        else:
+            await save(self, record)
+
+    monkeypatch.setattr(Envelope, "cancel", cancel_and_tell)
+    monkeypatch.setattr(_state.StateDir, "save", save_then_fail)
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = await rt.spawn("ann", max_tokens=8)
+        reply = await ann.ask("Hello there", timeout=2)
+        assert [m.content for m in ann.history] == ["Hello there", reply.text]
+        assert records_on_disk(state, "ann") == [
+            {"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": reply.text},
+        ]
+
+
+async def test_spawning_while_the_old_agents_turn_is_saved_waits(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "state"
+    saving, proceed = anyio.Event(), anyio.Event()
+    save = _state.StateDir.save
+
+    async def held_save(self: _state.StateDir, record: _state.AgentRecord) -> None:
+        if record.messages and not saving.is_set():
+            saving.set()
+            await proceed.wait()
+        await save(self, record)
+
+    monkeypatch.setattr(_state.StateDir, "save", held_save)
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        old = await rt.spawn("ann", max_tokens=8)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(old.ask, "Hello")
+            await saving.wait()  # the old agent's turn is being saved (shielded)
+            tg.start_soon(old.close)
+            await wait_all_tasks_blocked()
+
+            async def release() -> None:
+                await wait_all_tasks_blocked()  # the spawn below waits for the close
+                proceed.set()
+
+            tg.start_soon(release)
+            new = await rt.spawn("ann", max_tokens=8)  # waits for the close, not an error
+        assert rt.agent("ann") is new and new.history == ()

@@ -4,6 +4,7 @@ Actors render conversations with the chat template and send the scheduler only t
 tokens their cache lacks; they never touch MLX arrays.
 """
 
+from ._agent import NAME as NAME
 from ._agent import Agent as Agent
 from ._agent import AgentStatistics as AgentStatistics
 from ._agent import Keeper as Keeper

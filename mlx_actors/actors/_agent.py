@@ -170,6 +170,8 @@ class Envelope:
         except BaseException as exc:
             await self.abandon()
             if isinstance(exc, TimeoutError):
+                if self.reply is not None:  # kept after all (it could not be undone)
+                    return self.reply
                 raise self.timeout_error() from None
             raise
         if self.error is not None:
@@ -363,7 +365,6 @@ class Agent:
         if self._keeper is None:
             raise InvalidRequestError("this agent cannot be forked: it has no runtime")
         check_name(name)
-        self._keeper.check_new_name(name)
         if mailbox_size is not None and (
             isinstance(mailbox_size, bool) or not isinstance(mailbox_size, int) or mailbox_size <= 0
         ):
@@ -385,7 +386,7 @@ class Agent:
             with anyio.CancelScope(shield=True):
                 await self._close_done.wait()
             return
-        self._close_done = anyio.Event()
+        self._close_done = done = anyio.Event()
         try:
             if self._keeper is not None:
                 self._keeper.closing(self)
@@ -394,8 +395,11 @@ class Agent:
                 await self._scheduler.forget(self.name, drop=True)
                 if self._keeper is not None:
                     await self._keeper.closed(self)
+        except BaseException:
+            self._close_done = None  # what failed (deleting its files) can be tried again
+            raise
         finally:
-            self._close_done.set()
+            done.set()
 
     # -- inside the agent -----------------------------------------------------------------
 
@@ -502,8 +506,13 @@ class Agent:
         seed = options.seed
         if seed is not None and self.options.seed == seed:
             seed = (seed + self._turns) % SEEDS  # each of the agent's turns its own stream
-        if sum(len(m.content) for m in messages) + len(self.system or "") < RENDER_ON_LOOP:
-            tokens = self._render(messages)  # quick: not worth a thread hop
+        lock = self._scheduler.tokenizer_lock
+        short = sum(len(m.content) for m in messages) + len(self.system or "") < RENDER_ON_LOOP
+        if short and lock.acquire(blocking=False):  # quick, and the tokenizer is free
+            try:
+                tokens = self._render(messages, locked=True)
+            finally:
+                lock.release()
         else:
             tokens = await anyio.to_thread.run_sync(self._render, messages, abandon_on_cancel=True)
         turn = Turn(
@@ -535,9 +544,11 @@ class Agent:
                     self._messages, self._turns = before
                     raise
                 if envelope.cancelled:
+                    after = self._messages, self._turns
                     self._messages, self._turns = before
-                    await self._save_undo()
-                    return
+                    if await self._save_undo():
+                        return
+                    self._messages, self._turns = after  # kept on disk: kept here too
         envelope.reply = Reply(
             text=result.text,
             tokens=result.tokens,
@@ -547,13 +558,17 @@ class Agent:
             total_s=time.perf_counter() - started,
         )
 
-    async def _save_undo(self) -> None:
-        """Save the agent as it was before a turn its caller gave up on."""
+    async def _save_undo(self) -> bool:
+        """Save the agent as it was before a turn its caller gave up on; ``False`` if
+        that failed (the turn stays on disk, so it is kept, and a caller who timed out
+        gets the reply after all)."""
         assert self._keeper is not None
         try:
             await self._keeper.changed(self)
         except MlxActorsError as exc:
             self._log.error("agent.save_failed", agent=self.name, error=str(exc))
+            return False
+        return True
 
     async def _fork(self, envelope: Envelope) -> None:
         assert self._keeper is not None and envelope.options is not None
@@ -578,12 +593,12 @@ class Agent:
                     self._messages = before  # as the state directory still has it
                     raise
 
-    def _render(self, messages: list[Message]) -> list[int]:
-        """The conversation as the model reads it (on a worker thread: long histories
-        take a while, and the tokenizer is not thread-safe)."""
+    def _render(self, messages: list[Message], *, locked: bool = False) -> list[int]:
+        """The conversation as the model reads it, under the tokenizer's lock (it is
+        not thread-safe; ``locked``: the caller holds it)."""
         system = [Message(role="system", content=self.system)] if self.system else []
         conversation = [m.as_dict() for m in (*system, *messages)]
-        with self._scheduler.tokenizer_lock:
+        with contextlib.nullcontext() if locked else self._scheduler.tokenizer_lock:
             tokens = self._tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=True, tokenize=True
             )

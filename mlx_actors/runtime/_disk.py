@@ -126,12 +126,15 @@ def read_file(path: Path) -> bytes:
     """The bytes of ``path``, never through a symbolic link (:class:`CorruptStateError`
     if it is one; ``FileNotFoundError`` if it is missing)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # Non-blocking: a FIFO planted there must not hang the open.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise CorruptStateError(f"{path} is a symbolic link, which is not followed") from exc
         raise
     with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptStateError(f"{path} is not a regular file")
         return f.read()
 
 

@@ -391,12 +391,13 @@ class Runtime:
     async def closed(self, agent: Agent) -> None:
         """The agents' keeper: a closed agent is forgotten by the state directory."""
         try:
-            if self._state is not None and self._kept.get(agent.name) is agent:
+            if self._state is not None:
                 async with self._keeping.setdefault(agent.name, anyio.Lock()):
-                    del self._kept[agent.name]
-                    # Again, under the lock: a save that was under way may have written it.
-                    await self._scheduler.forget(agent.name, drop=True)
-                    await self._state.delete(agent.name)
+                    if self._kept.get(agent.name) is agent:
+                        # Under the lock: a save that was under way may have written it.
+                        await self._scheduler.forget(agent.name, drop=True)
+                        await self._state.delete(agent.name)  # may fail: close again
+                        del self._kept[agent.name]
             elif self._kept.get(agent.name) is agent:
                 del self._kept[agent.name]
         finally:
@@ -433,7 +434,9 @@ class Runtime:
                 turns; each ``ask`` can override them. ``temperature=0`` is greedy.
             mailbox_size: this agent's mailbox size (default: the runtime's).
         """
-        self.check_new_name(name)
+        if self._tg is None or self._closed:
+            raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
+        check_name(name)
         if system is not None and system != "":
             check_text("system", system, self._scheduler.max_text_chars)
         if mailbox_size is not None and (
@@ -456,14 +459,17 @@ class Runtime:
         """Save a new agent (``persist="turn"``); if that fails, it never existed."""
         if self._state is None or self._state.persist != "turn":
             return
-        try:
-            await self._keep(agent)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                del self._kept[agent.name]
+        # Shielded: a cancel cannot land between the record's write and the reply, so
+        # the agent either exists, on disk too, or was never made.
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._keep(agent)
+            except BaseException:
+                if self._kept.get(agent.name) is agent:
+                    del self._kept[agent.name]
                 await agent._stop(AgentClosedError(f"agent {agent.name!r} was not made"))
                 await self._scheduler.forget(agent.name, drop=True)
-            raise
+                raise
 
     def check_new_name(self, name: str) -> None:
         """Raise unless a new agent may be called ``name`` (the agents' keeper)."""
@@ -512,7 +518,14 @@ class Runtime:
             **kwargs,
         )
         self._agents[name] = self._kept[name] = agent
-        await self._tg.start(agent.serve)
+        try:
+            await self._tg.start(agent.serve)
+        except BaseException:
+            if self._kept.get(name) is agent:
+                del self._kept[name]
+            if self._agents.get(name) is agent:
+                del self._agents[name]
+            raise
         return agent
 
     def _forget(self, agent: Agent) -> None:

@@ -19,6 +19,7 @@ from ..errors import (
     ModelMismatchError,
     StateInUseError,
 )
+from ..scheduler import MAX_STOP_CHARS, MAX_STOPS, SEEDS
 from ._default import sha256_of
 from ._disk import (
     checked,
@@ -78,6 +79,12 @@ class AgentRecord:
             stop = options["stop"]
             if not isinstance(stop, list):
                 raise ValueError(f"stop is {stop!r}")
+            if data["format"] == 1:  # the older version took any seed and stop list
+                stop = [s for s in stop if isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS]
+                stop = stop[:MAX_STOPS]
+                seed = options["seed"]
+                if isinstance(seed, int) and not isinstance(seed, bool):
+                    options["seed"] = seed % SEEDS
             turns = data["turns"]
             if isinstance(turns, bool) or not isinstance(turns, int) or turns < 0:
                 raise ValueError(f"turns is {turns!r}")

@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from ..actors import NAME
 from ..errors import CorruptStateError
 from ..scheduler import BLOCK_SIZE, BlockEntry, CacheImage
 from ._disk import (
@@ -100,7 +101,11 @@ class DiskCacheStore:
         """Agents with a cache on disk."""
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in dirs_in(self.root) if (p / "index.json").exists())
+        return sorted(
+            p.name
+            for p in dirs_in(self.root)
+            if NAME.fullmatch(p.name) and (p / "index.json").exists()
+        )
 
     def tokens(self, agent: str) -> tuple[int, ...]:
         index = self._index(agent)

@@ -17,6 +17,8 @@ from ._pool import PoolStatistics as PoolStatistics
 from ._protocol import CacheStore as CacheStore
 from ._protocol import SchedulerStatistics as SchedulerStatistics
 from ._protocol import Turn as Turn
+from ._records import MAX_STOP_CHARS as MAX_STOP_CHARS
+from ._records import MAX_STOPS as MAX_STOPS
 from ._records import SEEDS as SEEDS
 from ._records import CompletedGeneration as CompletedGeneration
 from ._records import EngineStatistics as EngineStatistics
