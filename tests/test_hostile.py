@@ -225,7 +225,7 @@ async def test_an_index_that_names_a_file_outside_is_corrupt(
     (chunk,) = index["chunks"]
     text = json.dumps(index).replace(chunk, "../../../outside.safetensors")
     index = json.loads(text)
-    index["sha256"] = _store.index_digest(index)
+    index = _disk.with_digest(index)
     where.write_text(json.dumps(index))
     async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
         reply = await rt.agent("ann").ask(question("ann", 1))

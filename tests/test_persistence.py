@@ -240,7 +240,7 @@ async def test_a_cache_that_does_not_fit_is_an_error_then_the_agent_starts_over(
     index = json.loads(where.read_text())
     index["dtype"] = "float16" if index["dtype"] != "float16" else "float32"
     del index["sha256"]
-    index["sha256"] = _store.index_digest(index)
+    index = _disk.with_digest(index)
     where.write_text(json.dumps(index))
     async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
         ann = rt.agent("ann")

@@ -322,8 +322,7 @@ class Runtime:
         Raises:
             StateWriteError: an agent could not be saved (the others were).
         """
-        if self._tg is None or self._closed:
-            raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
+        self._check_running()
         failures: list[StateWriteError] = []
         if self._state is not None:
 
@@ -339,6 +338,10 @@ class Runtime:
         await self._scheduler.idle_disk()
         if failures:
             raise failures[0]
+
+    def _check_running(self) -> None:
+        if self._tg is None or self._closed:
+            raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
 
     @property
     def token(self) -> anyio.lowlevel.EventLoopToken | None:
@@ -434,8 +437,7 @@ class Runtime:
                 turns; each ``ask`` can override them. ``temperature=0`` is greedy.
             mailbox_size: this agent's mailbox size (default: the runtime's).
         """
-        if self._tg is None or self._closed:
-            raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
+        self._check_running()
         check_name(name)
         if system is not None and system != "":
             check_text("system", system, self._scheduler.max_text_chars)
@@ -473,8 +475,7 @@ class Runtime:
 
     def check_new_name(self, name: str) -> None:
         """Raise unless a new agent may be called ``name`` (the agents' keeper)."""
-        if self._tg is None or self._closed:
-            raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
+        self._check_running()
         check_name(name)
         for other in [*self._agents, *self._claimed]:
             if other.casefold() == name.casefold():

@@ -19,14 +19,15 @@ from ..actors import NAME
 from ..errors import CorruptStateError
 from ..scheduler import BLOCK_SIZE, BlockEntry, CacheImage
 from ._disk import (
+    checked,
     dirs_in,
     files_in,
-    json_digest,
     piecewise_sha256,
     read_json,
     read_safetensors,
     real_dir,
     safetensors_bytes,
+    with_digest,
     write_atomic,
     write_json,
     writing,
@@ -37,11 +38,6 @@ CACHE_FORMAT = 2
 #: The directory of the chunks (not an agent name: those start with a letter).
 BLOCKS = "_blocks"
 _CHUNK = re.compile(r"chunk-(\d+)\.safetensors")
-
-
-def index_digest(index: Mapping[str, Any]) -> str:
-    """The checksum an index carries (over everything but itself)."""
-    return json_digest(index)
 
 
 def content_keys(tokens: Sequence[int], blocks: Iterable[tuple[int, int, int]]) -> list[str]:
@@ -148,8 +144,9 @@ class DiskCacheStore:
             return None
         if not isinstance(index, dict) or index.get("format") != CACHE_FORMAT:
             raise CorruptStateError(f"{path} is not a cache index of format {CACHE_FORMAT}")
-        if index.pop("sha256", None) != index_digest(index) or index.get("agent") != agent:
-            raise CorruptStateError(f"{path} does not match its checksum: corrupt or edited")
+        index = checked(path, index)
+        if index.get("agent") != agent:
+            raise CorruptStateError(f"{path} is the cache index of {index.get('agent')!r}")
         _check_refs(path, index)
         return index
 
@@ -261,9 +258,8 @@ class DiskCacheStore:
                 "layers": _rows(image.layers, refs, keys),
                 "chunks": {name: sums[name] for name in sorted(listed)},
             }
-            index["sha256"] = index_digest(index)
             real_dir(self.root / agent, self.root)
-            write_json(self.where(agent), index)
+            write_json(self.where(agent), with_digest(index))
         except BaseException:
             with self._lock:
                 self._release(agent, listed - old)
@@ -311,9 +307,8 @@ class DiskCacheStore:
                 raise CorruptStateError(f"{self.where(agent)} is missing")
             self._release(other, self._uses.pop(other, set()))
             index["agent"] = other
-            index["sha256"] = index_digest(index)
             real_dir(self.root / other, self.root)
-            write_json(self.where(other), index)
+            write_json(self.where(other), with_digest(index))
             self._use(other, index)
 
     def _load(self, agent: str) -> CacheImage:

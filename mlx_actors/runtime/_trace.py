@@ -118,7 +118,8 @@ class Trace:
                 doc = {"traceEvents": self._chrome, "displayTimeUnit": "ms"}
                 self._chrome_file.write(json.dumps(doc))
                 self._chrome_file.close()
-                os.replace(self._chrome_tmp, self._chrome_tmp.with_suffix(""))
+                assert self.path is not None
+                os.replace(self._chrome_tmp, self.path)
                 self._chrome, self._chrome_file = None, None
             if self._file is not None:
                 self._file.close()

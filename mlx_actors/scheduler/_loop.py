@@ -203,9 +203,17 @@ class EngineLoop:
             self.waiting.popleft()
 
     def _wait_for_room(
-        self, turn: Turn, image: CacheImage | None, error: PoolExhaustedError | None
+        self,
+        turn: Turn,
+        image: CacheImage | None,
+        error: PoolExhaustedError | None,
+        *,
+        first: bool = False,
     ) -> None:
-        self.waiting.append((turn, image))
+        if first:
+            self.waiting.appendleft((turn, image))
+        else:
+            self.waiting.append((turn, image))
         self._log.info(
             "turn.waiting_for_room",
             agent=turn.agent,
@@ -238,13 +246,9 @@ class EngineLoop:
                     self.outbox.append(("lost", turn, exc))
                     return None
             uid = self._submit(turn, entry)
-        except PoolExhaustedError as exc:
-            if self._others_busy(turn.agent):
-                return exc
-            self._log.info("turn.refused", agent=turn.agent, turn=turn.id, error=type(exc).__name__)
-            self.outbox.append(("failed", turn, exc))
-            return None
         except MlxActorsError as exc:
+            if isinstance(exc, PoolExhaustedError) and self._others_busy(turn.agent):
+                return exc
             self._log.info("turn.refused", agent=turn.agent, turn=turn.id, error=type(exc).__name__)
             self.outbox.append(("failed", turn, exc))
             return None
@@ -501,8 +505,7 @@ class EngineLoop:
             self._room = True
             if isinstance(error, PoolExhaustedError) and self._others_busy(turn.agent):
                 turn.uid = None  # admitted again once there is room, before later turns
-                self.waiting.appendleft((turn, None))
-                self._log.info("turn.waiting_for_room", agent=turn.agent, turn=turn.id)
+                self._wait_for_room(turn, None, error, first=True)
                 continue
             self._log.info(
                 "turn.refused", agent=turn.agent, turn=turn.id, error=type(error).__name__
