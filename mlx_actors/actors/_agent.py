@@ -129,6 +129,8 @@ class Envelope:
     sent: bool = False
     in_mailbox: bool = False
     cancelled: bool = False
+    #: Counted among the turns the scheduler expects (until it sends it, or ends).
+    announced: bool = False
     scope: anyio.CancelScope | None = None
     deadline: float = math.inf
 
@@ -147,6 +149,9 @@ class Envelope:
     async def send(self) -> None:
         """Put the envelope in the mailbox (waits while the mailbox is full)."""
         self.sent = True
+        if self.kind == "ask":
+            self.agent._scheduler.announce(1)
+            self.announced = True
         if self.timeout is not None:
             self.deadline = anyio.current_time() + self.timeout
         try:
@@ -194,7 +199,14 @@ class Envelope:
             with anyio.CancelScope(shield=True):
                 await self.done.wait()
 
+    def arrived(self) -> None:
+        """The turn reached the scheduler (or never will): no longer expected."""
+        if self.announced:
+            self.announced = False
+            self.agent._scheduler.announce(-1)
+
     def finish(self) -> None:
+        self.arrived()
         if self.push is not None:
             self.push.close()
         self.done.set()
@@ -523,7 +535,7 @@ class Agent:
             stop=options.stop,
             on_text=_pusher(envelope.push) if envelope.push is not None else None,
         )
-        result = await self._scheduler.run_turn(turn)
+        result = await self._scheduler.run_turn(turn, sent=envelope.arrived)
         # Commit the reply and its cache together: nothing awaits until the keeper.
         before = self._messages, self._turns
         self._scheduler.commit(self.name, result.blocks)

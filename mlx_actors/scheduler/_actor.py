@@ -55,10 +55,11 @@ class Scheduler:
     Run :meth:`serve` in a task group, then await :meth:`wait_started`; call
     :meth:`shutdown` before leaving the task group.
 
-    ``admission_window`` (seconds): when the engine is idle and a turn arrives, it waits
-    until no other turn has arrived for this long (at most ten times as long) before the
-    first step, so that turns sent at the same moment start in one batch. It delays a
-    lone turn by that much; 0 turns it off.
+    ``admission_window`` (seconds): when the engine is idle and a turn arrives while
+    other turns are on their way (asked, and not yet rendered: :meth:`announce`), it
+    waits for them, as long as each comes within this long (at most ten times as long
+    in all), so that turns asked together start in one batch. A lone turn starts at
+    once; 0 turns the wait off.
     """
 
     def __init__(
@@ -91,6 +92,9 @@ class Scheduler:
         self._background: TaskGroup | None = None
         self._token: EventLoopToken | None = None
         self._disk_tail: dict[str, anyio.Event] = {}
+        #: Turns asked whose agents have not yet sent them (read by the engine thread;
+        #: changed only on the event loop).
+        self._coming = 0
         self._on_disk: set[str] = set()
         self.model: Any = None
         self.tokenizer: Any = None
@@ -159,9 +163,17 @@ class Scheduler:
 
     # -- the async side ------------------------------------------------------------------
 
-    async def run_turn(self, turn: Turn) -> CompletedGeneration:
+    def announce(self, turns: int) -> None:
+        """Say that ``turns`` more turns are on their way (negative: that they came, or
+        will not): an idle engine that receives a turn waits a moment for those."""
+        self._coming += turns
+
+    async def run_turn(
+        self, turn: Turn, *, sent: Callable[[], None] | None = None
+    ) -> CompletedGeneration:
         """Queue ``turn`` and wait for its result; the caller must :meth:`commit` or
-        :meth:`release` the result's blocks.
+        :meth:`release` the result's blocks. ``sent`` is called once the turn is queued
+        (an announced turn: :meth:`announce`).
 
         If the agent's cache is on disk, it is read back (on a worker thread) first. If
         the caller is cancelled, the turn is removed from the batch and its blocks freed
@@ -171,6 +183,9 @@ class Scheduler:
         image: CacheImage | None = None
         while True:
             self._put(Submit(turn, image))
+            if sent is not None:
+                sent()
+                sent = None
             try:
                 await turn.settled.wait()
             except BaseException:
@@ -478,6 +493,7 @@ class Scheduler:
                 deliver,
                 log=self._log,
                 admission_window=self._admission_window,
+                coming=lambda: self._coming,
                 persistent_store=self._store.persistent,
             )
         except BaseException:

@@ -107,20 +107,29 @@ def pieces(spec: ModelCacheSpec, blocks: AgentBlocks, keep: int) -> tuple[tuple[
 
 
 def to_cache(
-    spec: ModelCacheSpec, blocks: AgentBlocks | Sequence[Sequence[Piece]], keep: int
+    spec: ModelCacheSpec,
+    blocks: AgentBlocks | Sequence[Sequence[Piece]],
+    keep: int,
+    *,
+    room: int = 0,
 ) -> list[Any]:
     """An mlx-lm per-layer cache holding the first ``keep`` tokens, from ``blocks`` (an
     agent's, or per layer the pieces a :class:`~._prefix.Source` found).
 
     Only the tokens a layer needs are copied (a sliding layer needs its last
-    ``window``). The copies are lazy: MLX runs them when the batch is built.
+    ``window``), in one copy per array. With ``room``, a global layer's arrays have
+    space for that many more tokens (rounded up to a block), so that updating the
+    cache in place does not copy it again. The copies are lazy: MLX runs them when the
+    cache is first used.
     """
     layers = pieces(spec, blocks, keep) if isinstance(blocks, AgentBlocks) else blocks
+    tail = -(keep + room) % BLOCK_SIZE + room if room else 0
     caches: list[Any] = []
     for layer, layer_pieces in zip(spec.layers, layers, strict=True):
         lo = 0 if layer.window is None else max(0, keep - layer.window)
-        keys = _gather([(b.keys, b.start, a, z) for b, a, z in layer_pieces])
-        values = _gather([(b.values, b.start, a, z) for b, a, z in layer_pieces])
+        extra = tail if layer.kind is LayerKind.GLOBAL else 0
+        keys = _gather([(b.keys, b.start, a, z) for b, a, z in layer_pieces], extra)
+        values = _gather([(b.values, b.start, a, z) for b, a, z in layer_pieces], extra)
         if layer.kind is LayerKind.GLOBAL:
             cache: Any = KVCache()
         else:
@@ -131,9 +140,13 @@ def to_cache(
     return caches
 
 
-def _gather(parts: Sequence[tuple[mx.array | None, int, int, int]]) -> mx.array:
-    """Positions ``[a, z)`` of each part, concatenated (a part's array starts at ``start``)."""
+def _gather(parts: Sequence[tuple[mx.array | None, int, int, int]], room: int = 0) -> mx.array:
+    """Positions ``[a, z)`` of each part, concatenated (a part's array starts at
+    ``start``), and ``room`` zeros after them."""
     slices = [arr[..., a - start : z - start, :] for arr, start, a, z in parts if arr is not None]
+    if room:
+        shape = (*slices[0].shape[:2], room, slices[0].shape[3])
+        slices.append(mx.zeros(shape, slices[0].dtype))
     return slices[0] if len(slices) == 1 else mx.concatenate(slices, axis=2)
 
 

@@ -13,6 +13,7 @@ import attrs
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import EngineError, InvalidRequestError, MlxActorsError, PoolExhaustedError
 from ._blocks import (
@@ -39,7 +40,8 @@ from ._records import (
     Usage,
     check_stops,
 )
-from ._spec import ModelCacheSpec
+from ._solo import Solo
+from ._spec import BLOCK_SIZE, ModelCacheSpec
 from ._text import TextStream
 from ._tokens import common_prefix
 
@@ -63,7 +65,8 @@ class _Sequence:
     on_token: Callable[[TokenEvent], None] | None
     submitted: float
     #: ``pending`` (starts at the next step), ``parked`` (waits for a prefill job's
-    #: checkpoint), ``job`` (its own prefill job runs), ``running`` (in the batch).
+    #: checkpoint), ``job`` (its own prefill job runs), ``running`` (in the batch),
+    #: ``solo`` (decoding alone, outside the batch: :class:`Solo`).
     state: str = "pending"
     source: Source = attrs.field(factory=lambda: Source(length=0, layers=()))
     #: References it holds until it finishes: its source's blocks and more.
@@ -178,10 +181,16 @@ class BlockPoolBatchEngine:
         self._running: dict[int, _Sequence] = {}  # by the generator's uid
         self._pending: list[_Sequence] = []
         self._jobs: list[PrefillJob] = []
+        #: The sequence decoding alone, outside the generator, and how.
+        self._solo: tuple[_Sequence, Solo] | None = None
+        #: Finished while being handed to the generator, and tokens emitted, this step.
+        self._done: list[CompletedGeneration] = []
+        self._decoded = 0
         self._refused: list[tuple[int, MlxActorsError]] = []
         self._steps = self._prefill_tokens = self._generated_tokens = 0
         self._cached_tokens = self._completed = self._max_decode_batch = 0
         self._shared_tokens = self._prefill_jobs = self._checkpoints = 0
+        self._solo_tokens = 0
         self.last_step: StepInfo | None = None
 
     # -- submitting -------------------------------------------------------------------
@@ -457,12 +466,19 @@ class BlockPoolBatchEngine:
             return []
         started = time.perf_counter()
         joined = len(self._running)
+        self._decoded = 0
         try:
             self._start_pending()
             jobs, prefill = self._run_jobs()
             jobs_done = time.perf_counter()
             joined = len(self._running) - joined
             prompt_responses, responses = self._generator.next() if self._running else ([], [])
+            solo: tuple[_Sequence, Solo, int, str | None] | None = None
+            if self._solo is not None:
+                seq, run = self._solo
+                if not run.started:
+                    prefill += run.start()
+                solo = (seq, run, *run.next())
         except Exception as exc:
             uids = self._reset()
             raise EngineError(
@@ -471,43 +487,40 @@ class BlockPoolBatchEngine:
             ) from exc
         now = time.perf_counter()
         for pr in prompt_responses:
-            seq = self._running.get(pr.uid)
-            if seq is not None:
+            prompted = self._running.get(pr.uid)
+            if prompted is not None:
                 done = int(pr.progress[0])
-                prefill += done - seq.prefilled
-                seq.prefilled = done
-        finished: list[CompletedGeneration] = []
+                prefill += done - prompted.prefilled
+                prompted.prefilled = done
+        finished, self._done = self._done, []
         stopped: list[_Sequence] = []
         for r in responses:
             seq = self._running[r.uid]
-            seq.generated.append(r.token)
-            if seq.first_token is None:
-                seq.first_token = now
-            reason: FinishReason | None = r.finish_reason
-            piece, matched = seq.text.add(r.token, eos=reason == "stop" and r.token in self._eos)
-            if matched:
-                if reason is None:
-                    stopped.append(seq)
-                reason = "stop"
-            if reason is not None:
-                piece += seq.text.finish()
-            if seq.on_token is not None:
-                seq.on_token(TokenEvent(uid=seq.uid, token=r.token, text=piece))
+            reason = self._emit(seq, r.token, r.finish_reason, now)
             if r.finish_reason is not None:
                 finished.append(self._finish(seq, r.prompt_cache, reason or r.finish_reason))
+            elif reason is not None:
+                stopped.append(seq)
         if stopped:
             gen_uids = [s.gen_uid for s in stopped]
             caches = self._generator.remove(gen_uids, return_prompt_caches=True)
             finished.extend(self._finish(s, caches[s.gen_uid][0], "stop") for s in stopped)
+        if solo is not None:
+            seq, run, token, why = solo
+            self._solo_tokens += 1
+            reason = self._emit(seq, token, why, now)
+            if reason is not None:
+                self._solo = None
+                finished.append(self._finish(seq, run.settle(), reason))
         if finished:  # one evaluation (one wait for the device) for every finished cache
             evaluate([f.blocks for f in finished])
         self._steps += 1
         self._prefill_tokens += prefill
-        self._generated_tokens += len(responses)
-        self._max_decode_batch = max(self._max_decode_batch, len(responses))
+        self._generated_tokens += self._decoded
+        self._max_decode_batch = max(self._max_decode_batch, self._decoded)
         ended = time.perf_counter()
         self.last_step = StepInfo(
-            decode_batch=len(responses),
+            decode_batch=self._decoded,
             prefill_tokens=prefill,
             finished=len(finished),
             seconds=ended - started,
@@ -518,6 +531,26 @@ class BlockPoolBatchEngine:
         )
         return finished
 
+    def _emit(
+        self, seq: _Sequence, token: int, reason: str | None, now: float
+    ) -> FinishReason | None:
+        """Take a token ``seq`` generated (``reason``: why the generator ends it there);
+        stream its text. Returns why the sequence ends here (a stop string counts), if
+        it does."""
+        self._decoded += 1
+        seq.generated.append(token)
+        if seq.first_token is None:
+            seq.first_token = now
+        finish: FinishReason | None = reason  # type: ignore[assignment]
+        piece, matched = seq.text.add(token, eos=reason == "stop" and token in self._eos)
+        if matched:
+            finish = "stop"
+        if finish is not None:
+            piece += seq.text.finish()
+        if seq.on_token is not None:
+            seq.on_token(TokenEvent(uid=seq.uid, token=token, text=piece))
+        return finish
+
     def _run_jobs(self) -> tuple[int, int]:
         """A chunk of each prefill job, oldest first, while the step's budget lasts (as
         many tokens as ``prefill_batch_size`` chunks): publish the checkpoints they reach
@@ -526,7 +559,8 @@ class BlockPoolBatchEngine:
         prefilled."""
         # Chunks of ``prefill_step_size`` keep the decoding sequences' steps short; when
         # nothing decodes, chunks as large as mlx-lm's own.
-        chunk = self.prefill_step_size if self._running else max(self.prefill_step_size, 2048)
+        decoding = self._running or self._solo is not None
+        chunk = self.prefill_step_size if decoding else max(self.prefill_step_size, 2048)
         budget = chunk * self.prefill_batch_size
         done = ran = at = 0
         while at < len(self._jobs) and done < budget:
@@ -621,25 +655,67 @@ class BlockPoolBatchEngine:
                 self._insert(seq, None)
 
     def _insert(self, seq: _Sequence, cache: list[Any] | None, start: int = 0) -> None:
-        """Put ``seq`` into the batch: with ``cache`` (a prefill job's, holding its first
-        ``start`` tokens), else with a cache built from its source blocks."""
+        """Start ``seq``: with ``cache`` (a prefill job's, holding its first ``start``
+        tokens), else with a cache built from its source blocks. Alone, it decodes
+        outside the batch (:class:`Solo`); else in the batch, which a sequence decoding
+        alone joins first."""
+        alone = self._solo is None and not self._running
         if cache is None:
             start = seq.source.length
         if cache is None and seq.seed is not None and seq.seed[0].offset == start:
             cache = snapshot(seq.seed)
         elif cache is None and start:
-            cache = to_cache(self.spec, seq.source.layers, start)
+            # Alone, the cache is updated in place: room for the prompt and a block of
+            # reply saves copying it all again at the first update.
+            room = len(seq.tokens) - start + BLOCK_SIZE if alone else 0
+            cache = to_cache(self.spec, seq.source.layers, start, room=room)
         seq.seed = None
+        if seq.source.length > seq.kept:  # a prefix computed for others: keep its state
+            seq.anchors = (*seq.anchors, seq.source.length)
+        prompt = seq.tokens[start:]
+        if alone:
+            run = Solo(
+                self.model,
+                cache if cache is not None else make_prompt_cache(self.model),
+                prompt,
+                sampler=seq.sampler,
+                budget=seq.budget,
+                eos=self._eos,
+                stream=self._generator.stream,
+            )
+            seq.state, self._solo = "solo", (seq, run)
+            return
+        if self._solo is not None:
+            self._hand_over()
+        self._join(seq, prompt, cache, seq.budget)
+
+    def _join(
+        self, seq: _Sequence, prompt: list[int], cache: list[Any] | None, budget: int
+    ) -> None:
         (gen_uid,) = self._generator.insert(
-            [seq.tokens[start:]],
-            max_tokens=[seq.budget],
+            [prompt],
+            max_tokens=[budget],
             caches=[cache] if cache is not None else None,
             samplers=[seq.sampler] if seq.sampler is not None else None,
         )
         seq.state, seq.gen_uid = "running", gen_uid
         self._running[gen_uid] = seq
-        if seq.source.length > seq.kept:  # a prefix computed for others: keep its state
-            seq.anchors = (*seq.anchors, seq.source.length)
+
+    def _hand_over(self) -> None:
+        """Move the sequence decoding alone into the batch: it emits the token it has
+        sampled, and joins with that token as its prompt, on its cache (or finishes)."""
+        assert self._solo is not None
+        (seq, run), self._solo = self._solo, None
+        if not run.started:
+            self._join(seq, run.prompt, run.cache, seq.budget)
+            return
+        token, ended = run.next(go_on=False)
+        self._solo_tokens += 1
+        reason = self._emit(seq, token, ended, time.perf_counter())
+        if reason is not None:
+            self._done.append(self._finish(seq, run.settle(), reason))
+        else:
+            self._join(seq, [token], run.cache, seq.budget - len(seq.generated))
 
     def _refuse(self, seq: _Sequence, error: MlxActorsError) -> None:
         del self._sequences[seq.uid]
@@ -657,8 +733,9 @@ class BlockPoolBatchEngine:
         self, seq: _Sequence, cache: list[Any], reason: FinishReason
     ) -> CompletedGeneration:
         del self._sequences[seq.uid]
-        assert seq.gen_uid is not None and seq.reservation is not None
-        del self._running[seq.gen_uid]
+        assert seq.reservation is not None
+        if seq.gen_uid is not None:
+            del self._running[seq.gen_uid]
         tokens = (*seq.tokens, *seq.generated)
         try:
             blocks = from_cache(
@@ -710,6 +787,8 @@ class BlockPoolBatchEngine:
             assert seq.gen_uid is not None
             del self._running[seq.gen_uid]
             self._generator.remove([seq.gen_uid])
+        elif seq.state == "solo":
+            self._solo = None
         elif seq.state == "pending":
             self._pending.remove(seq)
         elif seq.state == "parked":
@@ -750,6 +829,7 @@ class BlockPoolBatchEngine:
             shared_tokens=self._shared_tokens,
             prefill_jobs=self._prefill_jobs,
             checkpoints=self._checkpoints,
+            solo_tokens=self._solo_tokens,
         )
 
     def _reset(self) -> list[int]:
@@ -762,6 +842,7 @@ class BlockPoolBatchEngine:
         self._running.clear()
         self._pending.clear()
         self._jobs.clear()
+        self._solo, self._done = None, []
         self._generator.close()
         self._generator = BatchGenerator(self.model, **self._generator_options)
         return uids

@@ -82,6 +82,7 @@ class EngineLoop:
         log: Any,
         admission_window: float,
         persistent_store: bool,
+        coming: Callable[[], int] = lambda: 0,
     ) -> None:
         self.engine = engine
         self.pool = engine.pool
@@ -89,6 +90,7 @@ class EngineLoop:
         self._deliver = deliver
         self._log = log
         self._window = admission_window
+        self._coming = coming
         self._persistent = persistent_store
         self._dtype = engine.spec.layers[0].dtype
         self.agents: dict[str, _Entry] = {}
@@ -114,8 +116,9 @@ class EngineLoop:
             except queue.Empty:
                 command = None
             if idle and self._window > 0:
-                # Turns sent together (a fan-out) trickle in over a few milliseconds;
-                # gathering them before the first step prefills them as one batch.
+                # Turns asked together (a fan-out) trickle in over a few milliseconds
+                # as their agents render them; gathering them before the first step
+                # prefills them as one batch. A lone turn does not wait.
                 cap = time.perf_counter() + 10 * self._window
                 while command is not None:
                     if command is SHUTDOWN:
@@ -123,7 +126,10 @@ class EngineLoop:
                     self.apply(command)
                     wait = min(self._window, cap - time.perf_counter())
                     try:
-                        command = self._commands.get(timeout=wait) if wait > 0 else None
+                        if wait > 0 and self._coming() > 0:
+                            command = self._commands.get(timeout=wait)
+                        else:
+                            command = self._commands.get_nowait()
                     except queue.Empty:
                         command = None
             while command is not None:

@@ -183,3 +183,5 @@ class EngineStatistics:
     prefill_jobs: int = 0
     #: Shared prefixes published by those jobs for sequences waiting on them.
     checkpoints: int = 0
+    #: Of ``generated_tokens``, those decoded alone, outside the batch (``Solo``).
+    solo_tokens: int = 0

@@ -1,0 +1,114 @@
+"""The one-sequence fast path: while a single sequence runs, it decodes on a plain mlx-lm
+cache, exactly as mlx-lm's own ``generate_step`` does, instead of inside the
+``BatchGenerator``.
+
+At a batch of one the generator is the slow way to run a sequence: its batch cache is a
+copy of the sequence's cache (merged, left-padded), its attention takes an explicit
+mask, and a prompt reaches the first token only at its third step. Sequential dialogues
+(agent A answers, then B) run at a batch of one all the time. :class:`Solo` owns such a
+sequence's cache and its pipelined decode (the next token computed while the current one
+is read back); the engine hands it to the generator, with its cache, as soon as another
+sequence joins. Greedy output stays token-identical: the computation is
+``generate_step``'s on the same cache, and the hand-over feeds the generator the token
+the solo run sampled last, with the cache that holds everything before it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx.nn.layers.base import Module
+from mlx_lm.sample_utils import greedy_sampler
+
+from ._records import Sampler
+
+#: Most prompt tokens run through the model in one call (mlx-lm's own prefill chunk).
+CHUNK = 2048
+
+
+class Solo:
+    """One sequence decoding alone on ``cache``.
+
+    Args:
+        model: the mlx-lm model.
+        cache: the per-layer cache holding the sequence's history; updated in place.
+        prompt: the tokens after the history (at least one); all but the last are
+            prefilled by :meth:`start`.
+        sampler: the sequence's sampler (``None``: greedy).
+        budget: most tokens to generate.
+        eos: the tokens that end the sequence.
+        stream: the MLX stream to run on (the generator's).
+    """
+
+    def __init__(
+        self,
+        model: Module,
+        cache: list[Any],
+        prompt: list[int],
+        *,
+        sampler: Sampler | None,
+        budget: int,
+        eos: frozenset[int],
+        stream: Any,
+    ) -> None:
+        self.model, self.cache, self.prompt = model, cache, prompt
+        self.sampler = sampler if sampler is not None else greedy_sampler
+        self.budget, self.eos, self.stream = budget, eos, stream
+        #: Tokens emitted so far.
+        self.emitted = 0
+        #: The next token, sampled lazily (its forward pass may still run); the cache
+        #: holds every token before it.
+        self._next: mx.array | None = None
+        #: The token :meth:`next` emitted without running it through the model.
+        self._unfed: mx.array | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._next is not None
+
+    def start(self) -> int:
+        """Prefill the prompt but its last token, then start computing the first token.
+        Returns the tokens prefilled (the whole prompt, as the generator counts)."""
+        with mx.stream(self.stream):
+            head = self.prompt[:-1]
+            for at in range(0, len(head), CHUNK):
+                self.model(mx.array(head[at : at + CHUNK])[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+            self._next = self._sample(self.prompt[-1:])
+        return len(self.prompt)
+
+    def _sample(self, token: list[int] | mx.array) -> mx.array:
+        inputs = mx.array(token) if isinstance(token, list) else token
+        logits = self.model(inputs[None], cache=self.cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = self.sampler(logprobs)
+        mx.async_eval(sampled)  # type: ignore[no-untyped-call]
+        return sampled
+
+    def next(self, *, go_on: bool = True) -> tuple[int, str | None]:
+        """Emit the next token and its finish reason (``"length"``, ``"stop"`` or
+        ``None``). With ``go_on`` the token after it is computed meanwhile (the cache
+        then holds the emitted token, as a finished generator sequence's does);
+        without, :meth:`settle` puts the emitted token into the cache."""
+        assert self._next is not None, "start() first"
+        current = self._next
+        with mx.stream(self.stream):
+            if go_on:
+                self._next = self._sample(current)
+            else:
+                self._unfed = current
+            token = int(current.item())  # type: ignore[arg-type]
+        self.emitted += 1
+        reason = "length" if self.emitted >= self.budget else None
+        if token in self.eos:
+            reason = "stop"
+        return token, reason
+
+    def settle(self) -> list[Any]:
+        """The cache, holding every token emitted (lazily: evaluate it before use)."""
+        if self._unfed is not None:
+            with mx.stream(self.stream):
+                self.model(self._unfed[None], cache=self.cache)
+            self._unfed = None
+        return self.cache

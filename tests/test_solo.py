@@ -1,0 +1,126 @@
+"""A sequence decoding alone runs outside the ``BatchGenerator`` (``Solo``), as mlx-lm's
+``generate_step`` runs it, and moves into the batch, with its cache, when another joins:
+greedy output stays token-identical to mlx-lm either way."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_actors.scheduler import BlockPoolBatchEngine
+
+from .conftest import Loaded, ReferenceChat, reference, run_to_completion
+from .test_engine import prompt
+
+N = 30
+
+
+def steps(engine: BlockPoolBatchEngine, n: int) -> list[object]:
+    done = []
+    for _ in range(n):
+        done.extend(engine.step())
+    return done
+
+
+def test_a_lone_sequence_decodes_alone_and_matches_mlx_lm(
+    tiny: Loaded, engine: BlockPoolBatchEngine
+) -> None:
+    eos = tiny.tokenizer.eos_token_ids
+    chat = ReferenceChat(tiny.model, eos)
+    history: list[int] = []
+    blocks = None
+    for turn, (n_new, n_out) in enumerate([(300, N), (40, N), (1, 5)]):
+        new = prompt(n_new, 40 + turn)
+        expected = chat.turn([*history, *new], n_out)
+        uid = engine.submit("a", new, blocks, max_tokens=n_out)
+        result = run_to_completion(engine)[uid]
+        assert list(result.tokens) == expected, f"turn {turn}"
+        engine.release(blocks)
+        blocks = result.blocks
+        history = [*history, *new, *expected]
+        assert blocks.tokens == tuple(history)
+    stats = engine.statistics()
+    assert stats.solo_tokens == stats.generated_tokens > 0
+    assert stats.max_decode_batch == 1
+    # the first token comes out of the step that prefills the prompt
+    uid = engine.submit("a", prompt(20, 9), blocks, max_tokens=3)
+    assert engine.step() == [] and engine.last_step is not None
+    assert engine.last_step.prefill_tokens == 20 and engine.last_step.decode_batch == 1
+    run_to_completion(engine)
+    engine.release(blocks)
+
+
+@pytest.mark.parametrize("join_after", [0, 1, 7])
+def test_a_second_sequence_joins_a_lone_one_mid_decode(
+    tiny: Loaded, engine: BlockPoolBatchEngine, join_after: int
+) -> None:
+    eos = tiny.tokenizer.eos_token_ids
+    first, second = prompt(90, 1), prompt(50, 2)
+    expected = [reference(tiny.model, p, N, stop=eos) for p in (first, second)]
+    a = engine.submit("a", first, max_tokens=N)
+    done = {r.uid: r for r in steps(engine, join_after)}  # type: ignore[attr-defined]
+    b = engine.submit("b", second, max_tokens=N)
+    done.update(run_to_completion(engine))
+    assert [list(done[a].tokens), list(done[b].tokens)] == expected
+    assert done[a].blocks.tokens == (*first, *expected[0])
+    stats = engine.statistics()
+    # alone it emitted a token per step, and one more as it joined the batch
+    assert stats.solo_tokens == (join_after + 1 if join_after else 0)
+    assert stats.max_decode_batch == 2
+    # the cache the batch finished with continues exactly
+    nxt = prompt(10, 3)
+    uid = engine.submit("a", nxt, done[a].blocks, max_tokens=N)
+    result = run_to_completion(engine)[uid]
+    assert list(result.tokens) == reference(tiny.model, [*first, *expected[0], *nxt], N, stop=eos)
+    for r in (done[a], done[b], result):
+        engine.release(r.blocks)
+    assert engine.pool.used_blocks == 0
+
+
+@pytest.mark.parametrize("how", ["length", "stop-string"])
+def test_a_sequence_handed_over_on_its_last_token_finishes_with_its_whole_cache(
+    tiny: Loaded, engine: BlockPoolBatchEngine, how: str
+) -> None:
+    eos = tiny.tokenizer.eos_token_ids
+    first = prompt(70, 5)
+    full = reference(tiny.model, first, N, stop=eos)
+    # the streamed text of each token: the stop string is the first piece of text that
+    # did not come before (random weights emit random bytes)
+    pieces: list[str] = []
+    uid = engine.submit("a", first, max_tokens=N, on_token=lambda e: pieces.append(e.text))
+    engine.release(run_to_completion(engine)[uid].blocks)
+    cut = next(
+        i + 1 for i in range(3, N) if pieces[i] and pieces[i] not in "".join(pieces[:i])
+    )  # the hand-over emits token number `cut`
+    if how == "length":
+        a = engine.submit("a", first, max_tokens=cut)
+    else:
+        a = engine.submit("a", first, max_tokens=N, stop=[pieces[cut - 1]])
+    assert steps(engine, cut - 1) == []
+    engine.submit("b", prompt(30, 6), max_tokens=4)
+    done = steps(engine, 1)
+    ((result,),) = [[r for r in done if r.uid == a]]  # type: ignore[attr-defined]
+    assert list(result.tokens) == full[:cut]
+    assert result.finish_reason == ("length" if how == "length" else "stop")
+    assert result.blocks.tokens == (*first, *full[:cut])
+    # its blocks hold the last token: the next turn continues exactly
+    nxt = prompt(12, 7)
+    uid = engine.submit("a", nxt, result.blocks, max_tokens=N)
+    rest = run_to_completion(engine)
+    assert list(rest[uid].tokens) == reference(tiny.model, [*first, *full[:cut], *nxt], N, stop=eos)
+    for r in (result, *rest.values()):
+        engine.release(r.blocks)
+    assert engine.pool.used_blocks == 0
+
+
+def test_cancelling_a_lone_sequence(engine: BlockPoolBatchEngine, tiny: Loaded) -> None:
+    a = engine.submit("a", prompt(40, 8), max_tokens=N)
+    steps(engine, 3)
+    assert engine.cancel(a)
+    assert engine.active == 0 and engine.pool.statistics().reserved_blocks == 0
+    assert engine.pool.used_blocks == 0
+    # the engine goes on: a new lone sequence decodes exactly
+    p = prompt(25, 9)
+    uid = engine.submit("b", p, max_tokens=N)
+    result = run_to_completion(engine)[uid]
+    assert list(result.tokens) == reference(tiny.model, p, N, stop=tiny.tokenizer.eos_token_ids)
+    engine.release(result.blocks)
