@@ -60,12 +60,17 @@ def text(rng: random.Random, n: int) -> str:
 
 
 async def one_history(
-    rt: Runtime, model: Any, tokenizer: Any, history: int, args: argparse.Namespace
+    rt: Runtime,
+    model: Any,
+    tokenizer: Any,
+    history: int,
+    args: argparse.Namespace,
+    name: str = "",
 ) -> dict[str, Any]:
-    rng = random.Random(history)
+    rng = random.Random(f"{name}{history}")
     template = len(tokenizer.apply_chat_template([{"role": "user", "content": "x"}]))
     system = text(rng, max(1, history - template - 8))
-    agent = await rt.spawn(f"h{history}", system=system, max_tokens=args.reply)
+    agent = await rt.spawn(f"{name}h{history}", system=system, max_tokens=args.reply)
     # The first turn: nothing cached.
     first_text = text(rng, 8)
     reply = await agent.ask(first_text)
@@ -157,8 +162,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = mlx_lm.load(str(path))
     results = []
     async with Runtime(path, pool_blocks=1 << 16, log_level="warning", share_prefixes=False) as rt:
-        await one_history(rt, model, tokenizer, min(args.history), args)  # warm-up
         for history in args.history:
+            # A first pass compiles the kernels of this length's shapes, in both.
+            warm = argparse.Namespace(**{**vars(args), "turns": 1, "reprefill": False})
+            await one_history(rt, model, tokenizer, history, warm, "warm-")
             results.append(await one_history(rt, model, tokenizer, history, args))
     return {
         **run_facts("latency", args),

@@ -124,3 +124,49 @@ def test_cancelling_a_lone_sequence(engine: BlockPoolBatchEngine, tiny: Loaded) 
     result = run_to_completion(engine)[uid]
     assert list(result.tokens) == reference(tiny.model, p, N, stop=tiny.tokenizer.eos_token_ids)
     engine.release(result.blocks)
+
+
+def test_an_agents_next_lone_turn_starts_from_its_kept_cache(
+    tiny: Loaded, engine: BlockPoolBatchEngine
+) -> None:
+    eos = tiny.tokenizer.eos_token_ids
+    chat = ReferenceChat(tiny.model, eos)
+    first = prompt(600, 11)
+    expected = chat.turn(first, N)
+    uid = engine.submit("a", first, max_tokens=N)
+    blocks = run_to_completion(engine)[uid].blocks
+    history = [*first, *expected]
+    # the same agent again: from its kept cache, exactly
+    nxt = prompt(30, 12)
+    expected = chat.turn([*history, *nxt], N)
+    uid = engine.submit("a", nxt, blocks, max_tokens=N)
+    result = run_to_completion(engine)[uid]
+    assert list(result.tokens) == expected
+    assert engine.statistics().hot_starts == 1
+    engine.release(blocks)
+    blocks, history = result.blocks, [*history, *nxt, *expected]
+    # a rewritten history: the kept cache is cut back to where it agrees
+    rewritten = [*history[:-40], *prompt(25, 13)]
+    common = blocks.common_prefix(rewritten)
+    uid = engine.submit(
+        "a", rewritten[common:], blocks, trim=blocks.num_tokens - common, max_tokens=N
+    )
+    result = run_to_completion(engine)[uid]
+    assert list(result.tokens) == reference(tiny.model, rewritten, N, stop=eos)
+    assert engine.statistics().hot_starts == 2
+    # another agent's turn in between: its own cache is kept, the first one's still
+    # serves, and a turn that does not continue a kept cache gathers its blocks
+    other = engine.submit("b", prompt(40, 14), max_tokens=5)
+    engine.release(run_to_completion(engine)[other].blocks)
+    engine.release(blocks)
+    blocks = result.blocks
+    again = prompt(9, 15)
+    uid = engine.submit("a", again, blocks, max_tokens=N)
+    last = run_to_completion(engine)[uid]
+    assert list(last.tokens) == reference(
+        tiny.model, [*rewritten, *result.tokens, *again], N, stop=eos
+    )
+    assert engine.statistics().hot_starts == 3
+    engine.release(blocks)
+    engine.release(last.blocks)
+    assert engine.pool.used_blocks == 0

@@ -40,7 +40,7 @@ from ._records import (
     Usage,
     check_stops,
 )
-from ._solo import Solo
+from ._solo import HotCaches, Solo
 from ._spec import BLOCK_SIZE, ModelCacheSpec
 from ._text import TextStream
 from ._tokens import common_prefix
@@ -186,11 +186,14 @@ class BlockPoolBatchEngine:
         #: Finished while being handed to the generator, and tokens emitted, this step.
         self._done: list[CompletedGeneration] = []
         self._decoded = 0
+        #: Caches of sequences that finished alone, for their agents' next turns: at
+        #: most an eighth of the pool's bytes, outside it.
+        self._hot = HotCaches(pool.total_blocks * self.spec.block_bytes // 8)
         self._refused: list[tuple[int, MlxActorsError]] = []
         self._steps = self._prefill_tokens = self._generated_tokens = 0
         self._cached_tokens = self._completed = self._max_decode_batch = 0
         self._shared_tokens = self._prefill_jobs = self._checkpoints = 0
-        self._solo_tokens = 0
+        self._solo_tokens = self._hot_starts = 0
         self.last_step: StepInfo | None = None
 
     # -- submitting -------------------------------------------------------------------
@@ -646,10 +649,15 @@ class BlockPoolBatchEngine:
         prefill: ``BatchGenerator`` copies and pads every cache in a batch of prompts);
         short prompts on short histories are prefilled together in the batch."""
         pending, self._pending = self._pending, []
+        # One short prompt alone decodes outside the batch at once, from its agent's
+        # last cache if that is kept (no blocks to gather), whatever its history.
+        lone = len(pending) == 1 and not self._jobs and not self._running and not self._solo
         for seq in pending:
             cached = seq.source.length
             uncached = len(seq.tokens) - 1 - cached
-            if uncached > 0 and max(uncached, cached) >= self.long_prefill:
+            if lone and uncached < self.long_prefill:
+                self._insert(seq, None)
+            elif uncached > 0 and max(uncached, cached) >= self.long_prefill:
                 self._make_job(seq)
             else:
                 self._insert(seq, None)
@@ -662,6 +670,9 @@ class BlockPoolBatchEngine:
         alone = self._solo is None and not self._running
         if cache is None:
             start = seq.source.length
+            if alone and start:
+                cache = self._hot.take(seq.agent_id, seq.tokens, start)
+                self._hot_starts += cache is not None
         if cache is None and seq.seed is not None and seq.seed[0].offset == start:
             cache = snapshot(seq.seed)
         elif cache is None and start:
@@ -737,6 +748,8 @@ class BlockPoolBatchEngine:
         if seq.gen_uid is not None:
             del self._running[seq.gen_uid]
         tokens = (*seq.tokens, *seq.generated)
+        if seq.state == "solo":  # the cache is the sequence's own: keep it for its agent
+            self._hot.keep(seq.agent_id, tokens, cache)
         try:
             blocks = from_cache(
                 self.pool,
@@ -830,6 +843,7 @@ class BlockPoolBatchEngine:
             prefill_jobs=self._prefill_jobs,
             checkpoints=self._checkpoints,
             solo_tokens=self._solo_tokens,
+            hot_starts=self._hot_starts,
         )
 
     def _reset(self) -> list[int]:
@@ -843,6 +857,7 @@ class BlockPoolBatchEngine:
         self._pending.clear()
         self._jobs.clear()
         self._solo, self._done = None, []
+        self._hot.drop()
         self._generator.close()
         self._generator = BatchGenerator(self.model, **self._generator_options)
         return uids

@@ -185,3 +185,5 @@ class EngineStatistics:
     checkpoints: int = 0
     #: Of ``generated_tokens``, those decoded alone, outside the batch (``Solo``).
     solo_tokens: int = 0
+    #: Sequences that started from their agent's kept cache instead of its blocks.
+    hot_starts: int = 0

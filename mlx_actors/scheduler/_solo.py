@@ -15,6 +15,7 @@ the solo run sampled last, with the cache that holds everything before it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -112,3 +113,57 @@ class Solo:
                 self.model(self._unfed[None], cache=self.cache)
             self._unfed = None
         return self.cache
+
+
+class HotCaches:
+    """The caches of the last few sequences that finished alone, kept as they are (as
+    mlx-lm's chat keeps its one prompt cache), so that the same agent's next turn, if it
+    runs alone too, starts from them instead of gathering its blocks again.
+
+    The blocks stay the record of every history: a hot cache is only a copy of what its
+    agent's blocks hold, used when it still matches. Like the cache of a sequence in
+    flight, it lives outside the pool; the caches kept are bounded by ``limit_bytes``,
+    least recently finished dropped first.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self._caches: dict[str, tuple[tuple[int, ...], list[Any], int]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, _, size in self._caches.values())
+
+    def keep(self, agent: str, tokens: tuple[int, ...], cache: list[Any]) -> None:
+        """Keep ``cache`` (holding ``tokens``) as ``agent``'s, in place of any older."""
+        self._caches.pop(agent, None)
+        size = sum(int(c.nbytes) for c in cache)
+        if size > self.limit_bytes:
+            return
+        while self._caches and self.nbytes + size > self.limit_bytes:
+            del self._caches[next(iter(self._caches))]
+        self._caches[agent] = (tokens, cache, size)
+
+    def take(self, agent: str, tokens: Sequence[int], start: int) -> list[Any] | None:
+        """``agent``'s cache, cut back to its first ``start`` tokens, if it holds the
+        first ``start`` of ``tokens`` and can be cut there (it is no longer kept)."""
+        entry = self._caches.pop(agent, None)
+        if entry is None:
+            return None
+        held, cache, _ = entry
+        if not 0 < start <= len(held) or tuple(tokens[:start]) != held[:start]:
+            return None
+        extra = len(held) - start
+        if extra:
+            if not all(c.is_trimmable() for c in cache):
+                return None
+            for c in cache:
+                c.trim(extra)
+        return cache
+
+    def drop(self, agent: str | None = None) -> None:
+        """Forget ``agent``'s cache (every cache: ``None``)."""
+        if agent is None:
+            self._caches.clear()
+        else:
+            self._caches.pop(agent, None)
