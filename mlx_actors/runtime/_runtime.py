@@ -96,9 +96,9 @@ class Runtime:
         pool_blocks: the budget in blocks instead (one block is 256 tokens of one layer).
         prefill_step_size: most prompt tokens per turn run in one step, so a long
             prompt never stalls the turns already generating.
-        admission_window: seconds an idle engine waits for more turns after one arrives
-            (until none arrives for this long, at most ten times as long), so that
-            turns sent together start in one batch; 0 starts every turn at once.
+        admission_window: seconds an idle engine waits for each further turn already
+            asked (at most ten times as long in all), so that turns asked together
+            start in one batch; a lone turn never waits; 0 starts every turn at once.
         mailbox_size: how many requests an agent's mailbox holds before senders wait.
         trace: also write the trace to this file: ``*.jsonl`` (every event, JSON lines)
             or ``*.json`` (Chrome trace-event format, for ui.perfetto.dev).
