@@ -25,6 +25,7 @@ from ._blocks import (
     plan_cut,
     to_cache,
 )
+from ._pacing import Pacing
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefill import PrefillJob, snapshot
 from ._prefix import PrefixIndex, Source
@@ -80,6 +81,8 @@ class _Sequence:
     gen_uid: int | None = None
     generated: list[int] = attrs.Factory(list)
     prefilled: int = 0
+    #: In the batch with prompt tokens left to prefill.
+    prompting: bool = False
     first_token: float | None = None
 
 
@@ -122,6 +125,9 @@ class BlockPoolBatchEngine:
         min_shared: the shortest shared prefix worth waiting for.
         long_prefill: new prompt tokens, or cached history tokens, from which a prefill
             runs as a job.
+        step_seconds: how long one step's prefill should take, at most: the prompt
+            tokens a step runs follow the prefill rate measured (:class:`Pacing`), so
+            that cancels, timeouts and new turns wait for a short step on any machine.
     """
 
     def __init__(
@@ -137,6 +143,7 @@ class BlockPoolBatchEngine:
         share_prefixes: bool = True,
         min_shared: int = 64,
         long_prefill: int = 1024,
+        step_seconds: float = 0.25,
     ) -> None:
         for name, value in (
             ("max_batch_size", max_batch_size),
@@ -147,6 +154,12 @@ class BlockPoolBatchEngine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"{name} must be a positive int, got {value!r}")
+        if (
+            isinstance(step_seconds, bool)
+            or not isinstance(step_seconds, (int, float))
+            or not 0 < step_seconds < float("inf")
+        ):
+            raise InvalidRequestError(f"step_seconds must be seconds > 0, got {step_seconds!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -159,6 +172,9 @@ class BlockPoolBatchEngine:
         self.share_prefixes = share_prefixes
         self.min_shared = min_shared
         self.long_prefill = long_prefill
+        self.pacing = Pacing(
+            step_seconds, ceiling=max(prefill_step_size, 2048) * prefill_batch_size
+        )
         self.index = PrefixIndex(self.spec)
         pool.on_release(self.index.detach)
         #: Called with an agent id when a reservation fails; returns whether it freed
@@ -475,13 +491,18 @@ class BlockPoolBatchEngine:
             jobs, prefill = self._run_jobs()
             jobs_done = time.perf_counter()
             joined = len(self._running) - joined
-            prompt_responses, responses = self._generator.next() if self._running else ([], [])
+            left = max(self.pacing.floor, self.pacing.budget() - prefill)
+            prompt_responses, responses = self._generator_step(left) if self._running else ([], [])
             solo: tuple[_Sequence, Solo, int, str | None] | None = None
             if self._solo is not None:
                 seq, run = self._solo
                 if not run.started:
-                    prefill += run.start()
-                solo = (seq, run, *run.next())
+                    began = time.perf_counter()
+                    ran = run.prefill(left)
+                    self.pacing.record(ran, time.perf_counter() - began)
+                    prefill += ran
+                if run.started:
+                    solo = (seq, run, *run.next())
         except Exception as exc:
             uids = self._reset()
             raise EngineError(
@@ -489,12 +510,17 @@ class BlockPoolBatchEngine:
                 uids=uids,
             ) from exc
         now = time.perf_counter()
+        prompted_tokens = 0
         for pr in prompt_responses:
             prompted = self._running.get(pr.uid)
             if prompted is not None:
                 done = int(pr.progress[0])
-                prefill += done - prompted.prefilled
+                prompted_tokens += done - prompted.prefilled
                 prompted.prefilled = done
+                prompted.prompting = not pr.end_of_prompt
+        if prompted_tokens:
+            self.pacing.record(prompted_tokens, now - jobs_done)
+        prefill += prompted_tokens
         finished, self._done = self._done, []
         stopped: list[_Sequence] = []
         for r in responses:
@@ -534,6 +560,15 @@ class BlockPoolBatchEngine:
         )
         return finished
 
+    def _generator_step(self, budget: int) -> tuple[list[Any], list[Any]]:
+        """One step of the ``BatchGenerator``, its prompts' chunks sized so that together
+        they run about ``budget`` tokens."""
+        prompting = sum(1 for seq in self._running.values() if seq.prompting)
+        if prompting:
+            share = max(1, budget // prompting)
+            self._generator.prefill_step_size = min(self.prefill_step_size, share)
+        return self._generator.next()  # type: ignore[no-any-return]
+
     def _emit(
         self, seq: _Sequence, token: int, reason: str | None, now: float
     ) -> FinishReason | None:
@@ -561,15 +596,19 @@ class BlockPoolBatchEngine:
         each finished job's sequence to the batch. Returns the jobs run and the tokens
         prefilled."""
         # Chunks of ``prefill_step_size`` keep the decoding sequences' steps short; when
-        # nothing decodes, chunks as large as mlx-lm's own.
+        # nothing decodes, chunks as large as mlx-lm's own; all within the step's pace.
         decoding = self._running or self._solo is not None
         chunk = self.prefill_step_size if decoding else max(self.prefill_step_size, 2048)
-        budget = chunk * self.prefill_batch_size
+        budget = min(chunk * self.prefill_batch_size, self.pacing.budget())
+        chunk = min(chunk, budget)
         done = ran = at = 0
         while at < len(self._jobs) and done < budget:
             job = self._jobs[at]
+            began = time.perf_counter()
             with mx.stream(self._generator.stream):
-                done += job.run_chunk(self.model, self.spec, min(chunk, budget - done))
+                ran = job.run_chunk(self.model, self.spec, min(chunk, budget - done))
+            self.pacing.record(ran, time.perf_counter() - began)
+            done += ran
             ran += 1
             if job.pos in job.checkpoints:
                 self._publish(job, job.pos)
@@ -703,6 +742,7 @@ class BlockPoolBatchEngine:
     def _join(
         self, seq: _Sequence, prompt: list[int], cache: list[Any] | None, budget: int
     ) -> None:
+        seq.prompting = len(prompt) > 1
         (gen_uid,) = self._generator.insert(
             [prompt],
             max_tokens=[budget],
@@ -718,7 +758,7 @@ class BlockPoolBatchEngine:
         assert self._solo is not None
         (seq, run), self._solo = self._solo, None
         if not run.started:
-            self._join(seq, run.prompt, run.cache, seq.budget)
+            self._join(seq, run.prompt[run.done :], run.cache, seq.budget)
             return
         token, ended = run.next(go_on=False)
         self._solo_tokens += 1

@@ -56,8 +56,8 @@ class Solo:
         self.model, self.cache, self.prompt = model, cache, prompt
         self.sampler = sampler if sampler is not None else greedy_sampler
         self.budget, self.eos, self.stream = budget, eos, stream
-        #: Tokens emitted so far.
-        self.emitted = 0
+        #: Tokens emitted so far, and prompt tokens prefilled.
+        self.emitted = self.done = 0
         #: The next token, sampled lazily (its forward pass may still run); the cache
         #: holds every token before it.
         self._next: mx.array | None = None
@@ -66,18 +66,24 @@ class Solo:
 
     @property
     def started(self) -> bool:
+        """Whether the prompt is in the cache and the first token is on its way."""
         return self._next is not None
 
-    def start(self) -> int:
-        """Prefill the prompt but its last token, then start computing the first token.
-        Returns the tokens prefilled (the whole prompt, as the generator counts)."""
+    def prefill(self, limit: int) -> int:
+        """Prefill at most ``limit`` tokens of the prompt but its last; once that is
+        done, start computing the first token from the last. Returns the prompt tokens
+        run (the last one included, as the generator counts)."""
+        head = len(self.prompt) - 1
+        n = min(limit, head - self.done, CHUNK)
         with mx.stream(self.stream):
-            head = self.prompt[:-1]
-            for at in range(0, len(head), CHUNK):
-                self.model(mx.array(head[at : at + CHUNK])[None], cache=self.cache)
+            if n > 0:
+                self.model(mx.array(self.prompt[self.done : self.done + n])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
+                self.done += n
+            if self.done < head:
+                return n
             self._next = self._sample(self.prompt[-1:])
-        return len(self.prompt)
+        return n + 1
 
     def _sample(self, token: list[int] | mx.array) -> mx.array:
         inputs = mx.array(token) if isinstance(token, list) else token
