@@ -163,9 +163,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     async with Runtime(path, pool_blocks=1 << 16, log_level="warning", share_prefixes=False) as rt:
         for history in args.history:
-            # A first pass compiles the kernels of this length's shapes, in both.
+            # Two first passes compile the kernels of this length's shapes, in both (the
+            # first may also move the engine's prefill pace, and with it the chunks).
             warm = argparse.Namespace(**{**vars(args), "turns": 1, "reprefill": False})
-            await one_history(rt, model, tokenizer, history, warm, "warm-")
+            for n in range(2):
+                await one_history(rt, model, tokenizer, history, warm, f"warm{n}-")
             results.append(await one_history(rt, model, tokenizer, history, args))
     return {
         **run_facts("latency", args),

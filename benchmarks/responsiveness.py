@@ -56,9 +56,7 @@ def main() -> None:
     model, tokenizer = mlx_lm.load(str(path))
     spec = ModelCacheSpec.from_model(model)
     rng = random.Random(0)
-    prompts = [
-        [rng.randrange(256) for _ in range(args.prompt_tokens)] for _ in range(args.agents)
-    ]
+    prompts = [[rng.randrange(256) for _ in range(args.prompt_tokens)] for _ in range(args.agents)]
     runs = {}
     for mode, seconds in (("paced", args.step_seconds), ("unpaced", 1e9)):
         engine = BlockPoolBatchEngine(

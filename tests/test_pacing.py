@@ -13,19 +13,26 @@ N = 12
 
 
 def test_the_budget_follows_the_measured_rate() -> None:
-    pacing = Pacing(0.5, floor=10, ceiling=1000, start=100)
-    assert pacing.budget() == 100  # nothing measured yet
-    pacing.record(50, 0.5)  # 10 ms a token: 50 tokens in half a second
-    assert pacing.budget() == 50
-    pacing.record(100, 0.1)  # faster news moves the average a quarter of the way
-    assert pacing.seconds_per_token is not None and 0.0075 < pacing.seconds_per_token < 0.008
-    pacing.record(10, 1.0)  # slower news counts at once
-    assert pacing.budget() == 10  # the floor
-    for _ in range(60):
-        pacing.record(1000, 0.001)
-    assert pacing.budget() == 1000  # the ceiling
+    pacing = Pacing(0.5, floor=8, ceiling=4096, start=128)
+    assert pacing.budget() == 128  # nothing measured yet
+    pacing.record(100, 2.5)  # over the target: perhaps a kernel compiling, no change
+    assert pacing.budget() == 128
+    pacing.record(100, 2.5)  # twice in a row: down to what fits (20 tokens)
+    assert pacing.budget() == 16  # a power of two: few distinct chunk lengths
+    pacing.record(16, 0.016)  # within the target, the whole budget: 500 tokens fit
+    assert pacing.budget() == 256
+    pacing.record(200, 0.45)  # slower, but within the target: at least four times
+    assert pacing.budget() == 1024
+    pacing.record(20, 0.001)  # a small chunk that ran fast says nothing
+    assert pacing.budget() == 1024
+    pacing.record(1024, 0.6)  # over once
+    pacing.record(20, 0.01)  # then within: the slow one was a moment
+    pacing.record(1024, 0.6)
+    assert pacing.budget() == 1024
+    pacing.record(1024, 0.001)
+    assert pacing.budget() == 4096  # the ceiling
     pacing.record(0, 1.0)  # nothing to learn from
-    assert pacing.budget() == 1000
+    assert pacing.budget() == 4096
 
 
 def test_slow_steps_prefill_in_small_chunks_and_outputs_do_not_change(tiny: Loaded) -> None:
@@ -47,8 +54,10 @@ def test_slow_steps_prefill_in_small_chunks_and_outputs_do_not_change(tiny: Load
                 done[r.uid] = r
             assert engine.last_step is not None
             steps.append(engine.last_step.prefill_tokens)
-        # the floor, and each sequence's last prompt token as it starts decoding
-        assert max(steps) <= floor + len(prompts)
+        # the start's budget until two steps ran long, then the floor; and each
+        # sequence's last prompt token as it starts decoding
+        assert max(steps[:2]) <= engine.pacing.start + len(prompts)
+        assert max(steps[2:]) <= floor + len(prompts)
         assert sum(steps) == sum(len(p) for p in prompts)
         for uid, p in zip(uids, prompts, strict=True):
             assert list(done[uid].tokens) == reference(tiny.model, p, N, stop=eos)

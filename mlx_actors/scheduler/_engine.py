@@ -518,7 +518,7 @@ class BlockPoolBatchEngine:
                 prompted_tokens += done - prompted.prefilled
                 prompted.prefilled = done
                 prompted.prompting = not pr.end_of_prompt
-        if prompted_tokens:
+        if prompted_tokens and not responses:  # nothing decoded: the step was prefill
             self.pacing.record(prompted_tokens, now - jobs_done)
         prefill += prompted_tokens
         finished, self._done = self._done, []
@@ -566,6 +566,7 @@ class BlockPoolBatchEngine:
         prompting = sum(1 for seq in self._running.values() if seq.prompting)
         if prompting:
             share = max(1, budget // prompting)
+            share = 1 << (share.bit_length() - 1)  # few distinct shapes (see Pacing)
             self._generator.prefill_step_size = min(self.prefill_step_size, share)
         return self._generator.next()  # type: ignore[no-any-return]
 

@@ -16,40 +16,47 @@ class Pacing:
 
     Args:
         target: seconds one step's prefill should take, at most (roughly: the rate is
-            an average, and one chunk of ``floor`` tokens always runs).
+            measured, and one chunk of ``floor`` tokens always runs).
         floor: fewest tokens a step may prefill.
         ceiling: most tokens a step may prefill, however fast the machine.
-        start: the budget before anything was measured (small: the first step on a
-            slow machine must be short too).
+        start: the budget before anything was measured: small, since on a slow
+            machine the first steps must be short too; on a fast one the budget
+            grows from it at once.
     """
 
     def __init__(
-        self, target: float = 0.25, *, floor: int = 64, ceiling: int = 16384, start: int = 64
+        self, target: float = 0.25, *, floor: int = 16, ceiling: int = 16384, start: int = 128
     ) -> None:
-        self.target, self.floor, self.ceiling = target, floor, ceiling
-        #: Seconds per prompt token: an average over recent steps (``None``: unknown).
-        self.seconds_per_token: float | None = None
-        self._start = start
+        self.target, self.floor, self.ceiling, self.start = target, floor, ceiling, start
+        #: Tokens a step may prefill, before rounding (see :meth:`budget`).
+        self.tokens = start
+        self._over = False
 
     def budget(self) -> int:
-        """Prompt tokens the next step may run."""
-        if self.seconds_per_token is None:
-            tokens = self._start
-        elif self.seconds_per_token <= 0:
-            tokens = self.ceiling
-        else:
-            tokens = int(self.target / self.seconds_per_token)
-        return max(self.floor, min(self.ceiling, tokens))
+        """Prompt tokens the next step may run: a power of two. Every new chunk length
+        is a new shape for the model's kernels (compiled once each on a GPU, which
+        can take longer than the chunk), so the lengths a budget makes are kept few."""
+        tokens = max(self.floor, min(self.ceiling, self.tokens))
+        return max(self.floor, 1 << (tokens.bit_length() - 1))
 
     def record(self, tokens: int, seconds: float) -> None:
-        """Note that ``tokens`` prompt tokens took ``seconds`` (counted in full
-        against them: an upper bound of the rate's cost when decoding ran too)."""
+        """Note that a prefill of ``tokens`` prompt tokens, and nothing else, took
+        ``seconds``.
+
+        Two chunks in a row that ran over the target lower the budget to what fits
+        in it (one alone may be a kernel compiled for a new shape, or a busy moment).
+        A chunk of at least half the budget that ran within the target raises it, to
+        what fits or four times as much, whichever is more. A smaller chunk says
+        nothing about larger ones: a model call has a fixed cost."""
         if tokens <= 0 or seconds < 0:
             return
-        rate = seconds / tokens
-        known = self.seconds_per_token
-        # Slower news counts at once (a step must not run long twice); faster news
-        # moves the average a quarter of the way.
-        self.seconds_per_token = (
-            rate if known is None or rate > known else known + (rate - known) / 4
-        )
+        fits = int(tokens * self.target / seconds) if seconds > 0 else self.ceiling
+        if seconds > self.target:
+            if self._over:
+                self.tokens = fits
+            self._over = True
+        else:
+            self._over = False
+            if 2 * tokens >= self.budget():
+                self.tokens = max(self.tokens, fits, 4 * self.budget())
+        self.tokens = max(self.floor, min(self.ceiling, self.tokens))
