@@ -26,6 +26,7 @@ from ._blocks import (
     to_cache,
 )
 from ._pacing import Pacing
+from ._pacing import chunk as fit
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefill import PrefillJob, snapshot
 from ._prefix import PrefixIndex, Source
@@ -607,7 +608,8 @@ class BlockPoolBatchEngine:
             job = self._jobs[at]
             began = time.perf_counter()
             with mx.stream(self._generator.stream):
-                ran = job.run_chunk(self.model, self.spec, min(chunk, budget - done))
+                limit = fit(min(chunk, budget - done), job.next_stop() - job.pos)
+                ran = job.run_chunk(self.model, self.spec, limit)
             self.pacing.record(ran, time.perf_counter() - began)
             done += ran
             ran += 1

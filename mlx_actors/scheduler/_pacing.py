@@ -60,3 +60,10 @@ class Pacing:
             if 2 * tokens >= self.budget():
                 self.tokens = max(self.tokens, fits, 4 * self.budget())
         self.tokens = max(self.floor, min(self.ceiling, self.tokens))
+
+
+def chunk(limit: int, left: int) -> int:
+    """How much of ``left`` tokens to prefill under a ``limit``: the limit, or all of
+    them when what would be left over is under a quarter of it (a short last chunk is
+    one more model call, and on a GPU one more shape to compile)."""
+    return left if left - limit < limit // 4 else min(limit, left)

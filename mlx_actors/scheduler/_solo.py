@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.sample_utils import greedy_sampler
 
+from ._pacing import chunk as fit
 from ._records import Sampler
 
 #: Most prompt tokens run through the model in one call (mlx-lm's own prefill chunk).
@@ -74,7 +75,7 @@ class Solo:
         done, start computing the first token from the last. Returns the prompt tokens
         run (the last one included, as the generator counts)."""
         head = len(self.prompt) - 1
-        n = min(limit, head - self.done, CHUNK)
+        n = min(fit(limit, head - self.done), CHUNK)
         with mx.stream(self.stream):
             if n > 0:
                 self.model(mx.array(self.prompt[self.done : self.done + n])[None], cache=self.cache)
