@@ -180,3 +180,21 @@ def test_an_agents_next_lone_turn_starts_from_its_kept_cache(
     engine.release(blocks)
     engine.release(last.blocks)
     assert engine.pool.used_blocks == 0
+
+
+def test_a_forgotten_agents_kept_cache_is_dropped(
+    tiny: Loaded, engine: BlockPoolBatchEngine
+) -> None:
+    first = prompt(300, 21)
+    uid = engine.submit("a", first, max_tokens=5)
+    blocks = run_to_completion(engine)[uid].blocks
+    engine.forget("a")
+    nxt = prompt(20, 22)
+    uid = engine.submit("a", nxt, blocks, max_tokens=N)
+    result = run_to_completion(engine)[uid]
+    assert engine.statistics().hot_starts == 0  # gathered from its blocks instead
+    assert list(result.tokens) == reference(
+        tiny.model, [*blocks.tokens, *nxt], N, stop=tiny.tokenizer.eos_token_ids
+    )
+    engine.release(blocks)
+    engine.release(result.blocks)

@@ -869,6 +869,11 @@ class BlockPoolBatchEngine:
             self.pool.share(block)
         return blocks
 
+    def forget(self, agent_id: str) -> None:
+        """Drop the cache kept for ``agent_id``'s next lone turn (the agent is gone, or
+        starts over)."""
+        self._hot.drop(agent_id)
+
     def release(self, blocks: AgentBlocks | None) -> None:
         """Give an ``AgentBlocks``'s references back to the pool."""
         if blocks is not None:

@@ -170,6 +170,7 @@ class EngineLoop:
                 held = {b.id for b in entry.blocks.blocks()} if entry.blocks is not None else ()
                 entry.stored.update((k, ref) for k, ref in command.refs.items() if k in held)
         elif isinstance(command, Forget):
+            self.engine.forget(command.agent)
             entry = self.agents.pop(command.agent, None)
             if entry is not None and entry.blocks is not None:
                 self.pool.free(entry.blocks.blocks())
