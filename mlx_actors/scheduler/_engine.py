@@ -497,11 +497,14 @@ class BlockPoolBatchEngine:
             solo: tuple[_Sequence, Solo, int, str | None] | None = None
             if self._solo is not None:
                 seq, run = self._solo
-                if not run.started:
+                if not run.prefilled:
                     began = time.perf_counter()
                     ran = run.prefill(left)
                     self.pacing.record(ran, time.perf_counter() - began)
                     prefill += ran
+                if run.prefilled and not run.started:
+                    run.begin()
+                    prefill += 1  # the last prompt token, as the generator counts it
                 if run.started:
                     solo = (seq, run, *run.next())
         except Exception as exc:

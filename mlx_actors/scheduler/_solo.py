@@ -70,21 +70,27 @@ class Solo:
         """Whether the prompt is in the cache and the first token is on its way."""
         return self._next is not None
 
+    @property
+    def prefilled(self) -> bool:
+        """Whether the prompt but its last token is in the cache."""
+        return self.done >= len(self.prompt) - 1
+
     def prefill(self, limit: int) -> int:
-        """Prefill at most ``limit`` tokens of the prompt but its last; once that is
-        done, start computing the first token from the last. Returns the prompt tokens
-        run (the last one included, as the generator counts)."""
-        head = len(self.prompt) - 1
-        n = min(fit(limit, head - self.done), CHUNK)
-        with mx.stream(self.stream):
-            if n > 0:
+        """Prefill at most ``limit`` more tokens of the prompt but its last (a short
+        rest goes along: :func:`~._pacing.chunk`); returns how many."""
+        n = min(fit(limit, len(self.prompt) - 1 - self.done), CHUNK)
+        if n > 0:
+            with mx.stream(self.stream):
                 self.model(mx.array(self.prompt[self.done : self.done + n])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
-                self.done += n
-            if self.done < head:
-                return n
+            self.done += n
+        return n
+
+    def begin(self) -> None:
+        """Start computing the first token from the prompt's last (once prefilled)."""
+        assert self.prefilled
+        with mx.stream(self.stream):
             self._next = self._sample(self.prompt[-1:])
-        return n + 1
 
     def _sample(self, token: list[int] | mx.array) -> mx.array:
         inputs = mx.array(token) if isinstance(token, list) else token
