@@ -55,18 +55,21 @@ def test_slow_steps_prefill_in_small_chunks_and_outputs_do_not_change(tiny: Load
     ]
     for prompts in cases:
         uids = [engine.submit(f"a{i}", p, max_tokens=N) for i, p in enumerate(prompts)]
-        done, steps = {}, []
+        done, steps, jobs = {}, [], []
         while engine.active:
             for r in engine.step():
                 done[r.uid] = r
             assert engine.last_step is not None
             steps.append(engine.last_step.prefill_tokens)
+            jobs.append(engine.last_step.jobs)
         # the start's budget until two steps ran long, then the floor; and each
         # sequence's last prompt token as it starts decoding
         # (a step takes a short rest of a prompt with it: up to a quarter more)
         assert max(steps[:2]) <= engine.pacing.start * 5 // 4 + len(prompts)
         assert max(steps[2:]) <= floor * 5 // 4 + len(prompts)
         assert sum(steps) == sum(len(p) for p in prompts)
+        # one prefill job at a time, and only for the long prompt
+        assert max(jobs) == (1 if prompts is cases[2] else 0)
         for uid, p in zip(uids, prompts, strict=True):
             assert list(done[uid].tokens) == reference(tiny.model, p, N, stop=eos)
             engine.release(done[uid].blocks)

@@ -612,9 +612,9 @@ class BlockPoolBatchEngine:
             began = time.perf_counter()
             with mx.stream(self._generator.stream):
                 limit = fit(min(chunk, budget - done), job.next_stop() - job.pos)
-                ran = job.run_chunk(self.model, self.spec, limit)
-            self.pacing.record(ran, time.perf_counter() - began)
-            done += ran
+                n = job.run_chunk(self.model, self.spec, limit)
+            self.pacing.record(n, time.perf_counter() - began)
+            done += n
             ran += 1
             if job.pos in job.checkpoints:
                 self._publish(job, job.pos)
