@@ -22,6 +22,7 @@ from ..errors import (
     TurnTimeoutError,
 )
 from ..scheduler import SEEDS, Sampling, Scheduler, Turn, check_stops
+from ._render import Renderer, Rendering, renderer_for
 from ._reply import Message, Reply, TurnStream
 
 #: Conversations of fewer characters are rendered on the event loop (under two milliseconds
@@ -240,7 +241,9 @@ class Agent:
         self.system = system
         self.options = options
         self._scheduler = scheduler
-        self._tokenizer = scheduler.tokenizer
+        self._renderer: Renderer = renderer_for(scheduler.tokenizer)
+        #: The last rendering of the conversation: the next one encodes only what changed.
+        self._rendering: Rendering | None = None
         self._log = log
         self._on_stopped = on_stopped
         self._keeper = keeper
@@ -607,14 +610,13 @@ class Agent:
 
     def _render(self, messages: list[Message], *, locked: bool = False) -> list[int]:
         """The conversation as the model reads it, under the tokenizer's lock (it is
-        not thread-safe; ``locked``: the caller holds it)."""
+        not thread-safe; ``locked``: the caller holds it). Only what changed since the
+        last rendering is tokenised again."""
         system = [Message(role="system", content=self.system)] if self.system else []
         conversation = [m.as_dict() for m in (*system, *messages)]
         with contextlib.nullcontext() if locked else self._scheduler.tokenizer_lock:
-            tokens = self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True
-            )
-        return [int(t) for t in tokens]
+            self._rendering = self._renderer.render(conversation, self._rendering)
+        return list(self._rendering.tokens)
 
 
 def check_text(what: str, text: object, limit: int | None = None) -> str:

@@ -1,16 +1,18 @@
-"""Token sequences: the longest common prefix of two, at C speed."""
+"""Token sequences (and texts): the longest common prefix of two, at C speed."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 #: Tokens compared at once before bisecting.
 _STRIDE = 256
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences of the same type
-    (compared a block at a time, then by bisection: C speed, not a Python loop)."""
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix of two sequences of the same type (token
+    tuples, or strings), compared a block at a time, then by bisection: C speed, not a
+    Python loop."""
     n = min(len(a), len(b))
     done = 0
     while done < n:
