@@ -15,6 +15,12 @@ runtime a twin of the agent (the same conversation) asks first, the same way, so
 compiling kernels for a new engine thread is not counted (with ``share_prefixes=False``,
 so that the twin's blocks do not serve the reader). The files were just written,
 so they are read from the page cache, not from a cold disk.
+
+Two more modes bring the agent back after an eviction inside one runtime, whose pool
+holds only one of the two agents: the twin's turn pushes the reader out, then the
+reader asks again. ``evicted-memory`` keeps evicted caches in host memory
+(``host_bytes``), ``evicted-disk`` does not (``host_bytes=0``: the files are read).
+Their reader has one turn more in its history than the other modes' reader.
 """
 
 from __future__ import annotations
@@ -76,14 +82,7 @@ async def build(model: Path, state: Path, text: str) -> int:
 
 async def answer(model: Path, state: Path, new_tokens: int) -> dict[str, Any]:
     trace = state.parent / f"{state.name}.jsonl"
-    async with Runtime(
-        model,
-        state_dir=state,
-        persist="exit",
-        log_level="off",
-        trace=trace,
-        share_prefixes=False,
-    ) as rt:
+    async with reading_runtime(model, state, trace) as rt:
         # The first turns on a new engine thread compile kernels for their shapes: the
         # twin's turn, the same as the reader's, keeps that out of the figures.
         await rt.agent("twin").ask(QUESTION, max_tokens=new_tokens)
@@ -104,6 +103,60 @@ async def answer(model: Path, state: Path, new_tokens: int) -> dict[str, Any]:
     }
 
 
+async def answer_evicted(
+    model: Path, state: Path, new_tokens: int, history: int, host_bytes: int
+) -> dict[str, Any]:
+    """The reader's turn after the twin's pushed its cache out of the pool."""
+    trace = state.parent / f"{state.name}.jsonl"
+    tokens = history + 4 * new_tokens + 64
+    async with _sized_runtime(model, state, trace, tokens, host_bytes) as rt:
+        twin, reader = rt.agent("twin"), rt.agent("reader")
+        # Each turn pushes the other agent out; the first two also compile kernels.
+        await twin.ask(QUESTION, max_tokens=new_tokens)
+        await reader.ask(QUESTION, max_tokens=new_tokens)
+        await twin.ask(QUESTION, max_tokens=new_tokens)
+        assert reader.statistics().on_disk, "the pool kept both agents"
+        started = time.perf_counter()
+        reply = await reader.ask(QUESTION, max_tokens=new_tokens)
+        wall = time.perf_counter() - started
+        stats = await rt.stats()
+    assert stats.memory_restores == (2 if host_bytes else 0), stats
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    last = {e["event"]: e for e in events if e["event"].startswith("blocks.")}
+    return {
+        "wall_ms": wall * 1e3,
+        "ttft_ms": reply.ttft_s * 1e3,
+        "read_ms": last["blocks.read"].get("ms", 0.0),
+        "inject_ms": last["blocks.restored"].get("ms", 0.0),
+        "prefill_tokens": reply.usage.prompt_tokens,
+        "cached_tokens": reply.usage.cached_tokens,
+        "tokens": list(reply.tokens),
+    }
+
+
+def reading_runtime(model: Path, state: Path, trace: Path, **options: Any) -> Runtime:
+    """A runtime on ``state`` that traces to ``trace`` and shares no blocks between
+    agents (the twin's must not serve the reader)."""
+    return Runtime(
+        model,
+        state_dir=state,
+        persist="exit",
+        log_level="off",
+        trace=trace,
+        share_prefixes=False,
+        **options,
+    )
+
+
+def _sized_runtime(model: Path, state: Path, trace: Path, tokens: int, host_bytes: int) -> Runtime:
+    """A runtime whose pool holds one agent of ``tokens`` tokens, not two."""
+    layers = int(json.loads((model / "config.json").read_text())["num_hidden_layers"])
+    per_agent = layers * -(-tokens // 256)
+    return reading_runtime(
+        model, state, trace, pool_blocks=per_agent * 3 // 2, host_bytes=host_bytes
+    )
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or random_model(args.shape, args.dtype)
     tokenizer = load_tokenizer(model)
@@ -117,18 +170,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             base = root / f"h{target}"
             history = await build(model, base, filler(tokenizer, target))
             size = sum(f.stat().st_size for f in (base / "caches" / "reader").iterdir())
-            runs: dict[str, list[dict[str, Any]]] = {"restore": [], "reprefill": []}
+            modes = ["restore", "reprefill", "evicted-memory", "evicted-disk"]
+            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
             for repeat in range(args.repeats):
-                order = ["restore", "reprefill"] if repeat % 2 == 0 else ["reprefill", "restore"]
-                for mode in order:
+                for mode in modes if repeat % 2 == 0 else modes[::-1]:
                     work = root / f"h{target}-{mode}-{repeat}"
                     shutil.copytree(base, work)
                     if mode == "reprefill":
                         shutil.rmtree(work / "caches")
-                    runs[mode].append(await answer(model, work, args.new_tokens))
+                    if mode.startswith("evicted"):
+                        host = 1 << 36 if mode == "evicted-memory" else 0
+                        result = await answer_evicted(model, work, args.new_tokens, history, host)
+                    else:
+                        result = await answer(model, work, args.new_tokens)
+                    runs[mode].append(result)
                     shutil.rmtree(work)
             first = {mode: r[0] for mode, r in runs.items()}
             assert first["restore"]["tokens"] == first["reprefill"]["tokens"], "replies differ"
+            assert first["evicted-memory"]["tokens"] == first["evicted-disk"]["tokens"]
             assert first["restore"]["cached_tokens"] > 0, "the cache was not used"
             assert first["reprefill"]["cached_tokens"] == 0, "the cache was not deleted"
             med = functools.partial(median, runs)
@@ -151,6 +210,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         "prefill_tokens": first["reprefill"]["prefill_tokens"],
                         "wall_ms": med("reprefill", "wall_ms"),
                         "ttft_ms": med("reprefill", "ttft_ms"),
+                    },
+                    **{
+                        mode: {
+                            "prefill_tokens": first[mode]["prefill_tokens"],
+                            "wall_ms": med(mode, "wall_ms"),
+                            "ttft_ms": med(mode, "ttft_ms"),
+                            "read_ms": med(mode, "read_ms"),
+                            "inject_ms": med(mode, "inject_ms"),
+                            "reprefill_over_this_ttft": round(
+                                med("reprefill", "ttft_ms") / med(mode, "ttft_ms"), 2
+                            ),
+                        }
+                        for mode in ("evicted-memory", "evicted-disk")
                     },
                     "speedup": round(statistics.median(ratios), 2),
                     "ttft_speedup": round(

@@ -59,9 +59,12 @@ def no_pickle(*args: Any, **kwargs: Any) -> None:
     raise AssertionError("pickle was used")
 
 
+@pytest.mark.parametrize("host_bytes", [0, None])
 async def test_evicted_caches_come_back_exactly(
-    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host_bytes: int | None
 ) -> None:
+    # host_bytes=0: every restore reads the files; by default, recent evictions are
+    # also kept in memory and most restores read nothing.
     for name in ("dump", "dumps", "load", "loads", "Pickler", "Unpickler"):
         monkeypatch.setattr(pickle, name, no_pickle)
     names = [f"agent{i}" for i in range(5)]
@@ -69,7 +72,9 @@ async def test_evicted_caches_come_back_exactly(
         roomy = await converse(rt, names, range(3))
         assert (await rt.stats()).evictions == 0
     trace = tmp_path / "run.jsonl"
-    async with Runtime(tiny_dir, pool_blocks=14, log_level="off", trace=trace) as rt:
+    async with Runtime(
+        tiny_dir, pool_blocks=14, host_bytes=host_bytes, log_level="off", trace=trace
+    ) as rt:
         tight = await converse(rt, names, range(3))
         stats = await rt.stats()
         on_disk = sorted(a.name for a in rt.agents.values() if a.statistics().on_disk)
@@ -77,10 +82,17 @@ async def test_evicted_caches_come_back_exactly(
         files = sorted(p.parent.name for p in rt.cache_dir.glob("*/index.json"))
     assert {k: r.tokens for k, r in tight.items()} == {k: r.tokens for k, r in roomy.items()}
     assert stats.evictions > 5 and stats.restores > 5
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    reads = [e["source"] for e in events if e["event"] == "blocks.read"]
+    assert len(reads) == stats.restores
+    assert reads.count("memory") == stats.memory_restores
+    if host_bytes == 0:
+        assert stats.memory_restores == 0
+    else:
+        assert stats.memory_restores > stats.restores // 2
     assert stats.pool.used_blocks == stats.resident_blocks  # nothing else holds blocks
     assert stats.resident_agents + stats.agents_on_disk == len(names)
     assert files == on_disk and len(on_disk) == stats.agents_on_disk > 0
-    events = [json.loads(line) for line in trace.read_text().splitlines()]
     for name in ("blocks.evicted", "blocks.restored"):
         event = next(e for e in events if e["event"] == name)
         assert {"agent", "blocks", "bytes", "ms"} <= set(event) and event["bytes"] > 0

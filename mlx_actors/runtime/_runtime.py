@@ -69,6 +69,8 @@ class RuntimeStatistics:
     #: Caches moved to disk, and brought back, so far.
     evictions: int
     restores: int
+    #: Of ``restores``, those taken from host memory (``host_bytes``), not the files.
+    memory_restores: int = 0
 
 
 def _default_pool_bytes() -> int:
@@ -94,6 +96,9 @@ class Runtime:
         max_batch_size: most turns decoded together; more wait for a free slot.
         pool_bytes: the cache block budget in bytes (default: a quarter of RAM).
         pool_blocks: the budget in blocks instead (one block is 256 tokens of one layer).
+        host_bytes: bytes of host memory for caches evicted from the pool, kept in
+            front of the disk so that bringing one back reads no file (default: half
+            the pool's budget; 0: none, every restore reads the disk).
         prefill_step_size: most prompt tokens per turn run in one step, so a long
             prompt never stalls the turns already generating.
         admission_window: seconds an idle engine waits for each further turn already
@@ -131,6 +136,7 @@ class Runtime:
         max_batch_size: int = 32,
         pool_bytes: int | None = None,
         pool_blocks: int | None = None,
+        host_bytes: int | None = None,
         prefill_step_size: int = 512,
         admission_window: float = 0.002,
         mailbox_size: int = 16,
@@ -162,6 +168,10 @@ class Runtime:
             )
         if pool_bytes is not None and pool_blocks is not None:
             raise InvalidRequestError("give pool_bytes or pool_blocks, not both")
+        if host_bytes is not None and (
+            isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < 0
+        ):
+            raise InvalidRequestError(f"host_bytes must be an int >= 0, got {host_bytes!r}")
         self._model = model
         self._dequantize = dequantize
         self._mailbox_size = mailbox_size
@@ -173,6 +183,7 @@ class Runtime:
         self._scheduler_options: dict[str, Any] = dict(
             pool_blocks=pool_blocks,
             pool_bytes=pool_bytes,
+            host_bytes=host_bytes,
             max_batch_size=max_batch_size,
             prefill_step_size=prefill_step_size,
             admission_window=admission_window,
@@ -568,4 +579,5 @@ class Runtime:
             agents_on_disk=s.agents_on_disk,
             evictions=s.evictions,
             restores=s.restores,
+            memory_restores=s.memory_restores,
         )

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import attrs
 import mlx.core as mx
 import structlog
 from anyio.abc import TaskGroup
@@ -17,6 +18,7 @@ from anyio.lowlevel import EventLoopToken
 
 from ..errors import CorruptStateError, MlxActorsError, RuntimeClosedError
 from ._engine import BlockPoolBatchEngine
+from ._host import HostCaches
 from ._image import CacheImage
 from ._loop import EngineLoop, Outbox
 from ._pool import AgentBlocks, BlockPool
@@ -73,6 +75,7 @@ class Scheduler:
         prefill_step_size: int = 512,
         admission_window: float = 0.002,
         share_prefixes: bool = True,
+        host_bytes: int | None = None,
         log: Any = None,
     ) -> None:
         self._load = load
@@ -96,6 +99,10 @@ class Scheduler:
         #: changed only on the event loop).
         self._coming = 0
         self._on_disk: set[str] = set()
+        #: Evicted caches also kept in memory (its budget is set when the pool is made:
+        #: ``host_bytes``, or half the pool's bytes).
+        self._host_bytes = host_bytes
+        self._host = HostCaches(0)
         self.model: Any = None
         self.tokenizer: Any = None
         self.spec: ModelCacheSpec | None = None
@@ -181,6 +188,11 @@ class Scheduler:
         """
         self._log.debug("turn.queued", agent=turn.agent, turn=turn.id, tokens=len(turn.tokens))
         image: CacheImage | None = None
+        if turn.agent in self._on_disk:  # bring the cache back before the engine asks
+            if sent is not None:
+                sent()  # not coming soon: the engine need not wait for it
+                sent = None
+            image = await self._read(turn.agent)
         while True:
             self._put(Submit(turn, image))
             if sent is not None:
@@ -274,6 +286,7 @@ class Scheduler:
         """Free the agent's cache; with ``drop``, delete it from the store as well."""
         self._put(Forget(agent))
         self._on_disk.discard(agent)
+        self._host.drop(agent)
         if drop:
             await self._disk(agent, lambda: self._store.drop(agent)).wait()
 
@@ -284,7 +297,7 @@ class Scheduler:
     async def statistics(self) -> SchedulerStatistics:
         """A consistent snapshot, taken on the engine thread after every earlier command."""
         if self._final is not None:
-            return self._final
+            return attrs.evolve(self._final, memory_restores=self._host.hits)
         answer: list[SchedulerStatistics] = []
         ready = anyio.Event()
 
@@ -294,7 +307,7 @@ class Scheduler:
 
         self._put(Query(reply))
         await ready.wait()
-        return answer[0]
+        return attrs.evolve(answer[0], memory_restores=self._host.hits)
 
     async def idle_disk(self) -> None:
         """Wait until every disk operation asked for so far is done."""
@@ -331,6 +344,10 @@ class Scheduler:
         if agent not in self._on_disk:  # the write that evicted it failed
             return None
         started = time.perf_counter()
+        image = self._host.take(agent)
+        if image is not None:
+            self._log.debug("blocks.read", agent=agent, bytes=image.nbytes, source="memory")
+            return image
         try:
             image = await self._store.load(agent)
         except MlxActorsError as exc:
@@ -342,6 +359,7 @@ class Scheduler:
             "blocks.read",
             agent=agent,
             bytes=image.nbytes,
+            source="disk",
             ms=round((time.perf_counter() - started) * 1e3, 2),
         )
         return image
@@ -360,6 +378,8 @@ class Scheduler:
     async def _write_evicted(self, agent: str, image: CacheImage) -> None:
         try:
             await self._write(agent, image)
+            if agent in self._on_disk:  # not forgotten meanwhile
+                self._host.keep(agent, image)
         except Exception as exc:
             # The cache is gone, not corrupt: the agent's next turn starts again from
             # its conversation rather than failing.
@@ -422,6 +442,7 @@ class Scheduler:
             agent = target.agent
             self._log.error("blocks.lost", agent=agent, error=str(value))
             self._on_disk.discard(agent)
+            self._host.drop(agent)
             self._disk(agent, functools.partial(self._store.drop, agent))
             self._fail(
                 target,
@@ -433,6 +454,7 @@ class Scheduler:
             )
         elif kind == "restored":
             self._on_disk.discard(target)
+            self._host.drop(target)
             if not self._store.persistent:  # a swap area keeps only what is out
                 self._disk(target, functools.partial(self._store.drop, target))
         elif kind == "save":
@@ -461,6 +483,8 @@ class Scheduler:
             pool = BlockPool(spec, total_blocks=self._pool_blocks)
         else:
             pool = BlockPool.from_bytes(spec, self._pool_bytes or 1 << 30)
+        host = self._host_bytes
+        self._host.budget = pool.total_blocks * spec.block_bytes // 2 if host is None else host
         engine = BlockPoolBatchEngine(
             model,
             tokenizer,
@@ -495,6 +519,7 @@ class Scheduler:
                 admission_window=self._admission_window,
                 coming=lambda: self._coming,
                 persistent_store=self._store.persistent,
+                whole_evictions=self._host.budget > 0,
             )
         except BaseException:
             with self._lock:

@@ -63,18 +63,28 @@ class CacheImage:
         """Bytes of the arrays the image carries."""
         return sum(k.nbytes + v.nbytes for k, v in self.arrays.values())
 
+    def whole(self) -> bool:
+        """Whether the image carries the arrays of every block (needs no files)."""
+        return all(e.key in self.arrays for row in self.layers for e in row)
+
 
 def take_image(
-    blocks: AgentBlocks, stored: Mapping[int, str], dtype: mx.Dtype, serial: int
+    blocks: AgentBlocks,
+    stored: Mapping[int, str],
+    dtype: mx.Dtype,
+    serial: int,
+    *,
+    whole: bool = False,
 ) -> CacheImage:
-    """Copy to host memory the blocks whose id is not in ``stored`` (id -> ref)."""
+    """Copy to host memory the blocks whose id is not in ``stored`` (id -> ref), or,
+    ``whole``, every block (the stored ones keep their refs)."""
     layers = []
     pending: dict[int, tuple[mx.array, mx.array]] = {}
     for layer_blocks in blocks.layers:
         entries = []
         for b in layer_blocks:
             ref = stored.get(b.id)
-            if ref is None and b.id not in pending:
+            if (ref is None or whole) and b.id not in pending:
                 assert b.keys is not None and b.values is not None
                 pending[b.id] = (_as_bits(b.keys), _as_bits(b.values))
             entries.append(BlockEntry(layer=b.layer, start=b.start, end=b.end, key=b.id, ref=ref))

@@ -83,6 +83,7 @@ class EngineLoop:
         admission_window: float,
         persistent_store: bool,
         coming: Callable[[], int] = lambda: 0,
+        whole_evictions: bool = False,
     ) -> None:
         self.engine = engine
         self.pool = engine.pool
@@ -92,6 +93,8 @@ class EngineLoop:
         self._window = admission_window
         self._coming = coming
         self._persistent = persistent_store
+        #: Evicted caches carry every block (for host memory), not only unstored ones.
+        self._whole_evictions = whole_evictions
         self._dtype = engine.spec.layers[0].dtype
         self.agents: dict[str, _Entry] = {}
         self.turns: dict[int, Turn] = {}
@@ -348,7 +351,7 @@ class EngineLoop:
         entry = self.agents[name]
         assert entry.blocks is not None
         started = time.perf_counter()
-        image = self._take_image(entry)
+        image = self._take_image(entry, whole=self._whole_evictions)
         blocks = entry.blocks.num_blocks
         self.pool.free(entry.blocks.blocks())
         entry.blocks = None
@@ -392,11 +395,11 @@ class EngineLoop:
         )
         self.outbox.append(("restored", agent, None))
 
-    def _take_image(self, entry: _Entry) -> CacheImage:
+    def _take_image(self, entry: _Entry, *, whole: bool = False) -> CacheImage:
         assert entry.blocks is not None
         self._serial += 1
         entry.snapshot = self._serial
-        return take_image(entry.blocks, entry.stored, self._dtype, self._serial)
+        return take_image(entry.blocks, entry.stored, self._dtype, self._serial, whole=whole)
 
     def _fork(self, command: Fork) -> None:
         """A new agent holding the parent's cache by reference (or, on disk, to be read

@@ -66,6 +66,8 @@ class SchedulerStatistics:
     #: Caches moved to disk, and brought back, so far.
     evictions: int
     restores: int
+    #: Of ``restores``, those served from host memory instead of the files.
+    memory_restores: int = 0
 
 
 class CacheStore(Protocol):

@@ -1,0 +1,58 @@
+"""Evicted caches kept in host memory, in front of the disk.
+
+When the pool runs short, an idle agent's cache leaves it as a :class:`CacheImage` (host
+memory) and is written to the store. :class:`HostCaches` also keeps the newest of those
+images, up to a budget of bytes, so that the agent's next turn takes its cache back
+from memory: no file read, no checksum. The disk copy stays the one that counts: an
+image is kept only once its write succeeded, and dropped when the agent is restored,
+forgotten or pushed out by newer ones (least recently evicted first).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from ._image import CacheImage
+
+
+class HostCaches:
+    """At most ``budget`` bytes of evicted caches, by agent."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.nbytes = 0
+        self._images: collections.OrderedDict[str, CacheImage] = collections.OrderedDict()
+        self._sizes: dict[str, int] = {}
+        #: Restores served from memory.
+        self.hits = 0
+
+    def __contains__(self, agent: str) -> bool:
+        return agent in self._images
+
+    def __len__(self) -> int:
+        return len(self._images)
+
+    def keep(self, agent: str, image: CacheImage) -> None:
+        """Keep ``image`` as ``agent``'s evicted cache (it must hold every block's
+        arrays), dropping the oldest ones over the budget."""
+        self.drop(agent)
+        size = image.nbytes
+        if size > self.budget or not image.whole():
+            return
+        self._images[agent] = image
+        self._sizes[agent] = size
+        self.nbytes += size
+        while self.nbytes > self.budget:
+            self.drop(next(iter(self._images)))
+
+    def take(self, agent: str) -> CacheImage | None:
+        """``agent``'s kept image, no longer kept (``None`` if there is none)."""
+        image = self._images.get(agent)
+        if image is not None:
+            self.drop(agent)
+            self.hits += 1
+        return image
+
+    def drop(self, agent: str) -> None:
+        if self._images.pop(agent, None) is not None:
+            self.nbytes -= self._sizes.pop(agent)
