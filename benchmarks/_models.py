@@ -18,7 +18,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         hidden_size=128,
         intermediate_size=256,
         head_dim=32,
-        max_position_embeddings=8192,
+        max_position_embeddings=131072,
     ),
     "smollm2-135m": tiny_config(
         hidden_size=576,
