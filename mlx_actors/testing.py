@@ -12,7 +12,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
-__all__ = ["CHATML_TEMPLATE", "SPECIAL_TOKENS", "tiny_config", "write_random_model"]
+__all__ = [
+    "CHATML_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "family_configs",
+    "tiny_config",
+    "write_random_model",
+]
 
 #: The ChatML template of SmolLM2 and Qwen, without a default system prompt.
 CHATML_TEMPLATE = (
@@ -46,6 +52,31 @@ def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
     }
     config.update(overrides)
     return config
+
+
+def family_configs(window: int = 40) -> dict[str, dict[str, Any]]:
+    """Tiny configs of the four families mlx-actors is checked on, with their real layer
+    patterns: Llama, Qwen 2.5, Gemma 3 (five sliding-window layers of ``window`` tokens
+    to one global) and Qwen MoE."""
+    return {
+        "llama": tiny_config("llama", num_hidden_layers=3),
+        "qwen2": tiny_config("qwen2", num_hidden_layers=3, tie_word_embeddings=True),
+        "gemma3_text": tiny_config(
+            "gemma3_text",
+            num_hidden_layers=6,
+            sliding_window=window,
+            sliding_window_pattern=6,
+            query_pre_attn_scalar=16,
+        ),
+        "qwen2_moe": tiny_config(
+            "qwen2_moe",
+            num_hidden_layers=3,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+        ),
+    }
 
 
 def write_random_model(

@@ -1,5 +1,18 @@
 """Blocks to an mlx-lm cache when a sequence is inserted, and a cache back to blocks when it
-is finished (or a shared prefix is published), reusing every block the index holds."""
+is finished (or a shared prefix is published), reusing every block the index holds.
+
+A global layer's blocks hold its whole history, so a later turn can start from any
+earlier position. A sliding-window layer's cache holds only its last ``window`` tokens,
+so by itself it could only continue from the very end: if the next rendering of the
+conversation differs from the cache anywhere (a stop string cut from the reply's text,
+a template that trims, a reply that re-encodes differently), nothing could be reused.
+So when a turn's cache is cut into blocks, its sliding layers also keep the blocks the
+turn started from (its *checkpoint*: the window before the turn's first new token).
+When the turn added at most about a window of tokens, the two runs of blocks meet and
+the layer can restart anywhere in the turn; when it added more, it can still restart
+where the turn began. The cost is those blocks: up to one more window per sliding
+layer, until the next turn replaces them with its own.
+"""
 
 from __future__ import annotations
 
@@ -161,6 +174,17 @@ def blocks_needed(spec: ModelCacheSpec, final_tokens: int, shared_tokens: int) -
     return total
 
 
+def checkpoint_copies(spec: ModelCacheSpec, layers: Sequence[Sequence[Piece]]) -> int:
+    """Blocks cutting a cache copies to keep the sliding layers' checkpoint (the pieces
+    ``layers`` a sequence started from): one per piece that ends inside its block."""
+    return sum(
+        z < block.end
+        for layer, layer_pieces in zip(spec.layers, layers, strict=False)
+        if layer.kind is LayerKind.SLIDING
+        for block, _, z in layer_pieces
+    )
+
+
 def checkpoint_blocks(spec: ModelCacheSpec, at: int) -> int:
     """Blocks a prefix of ``at`` tokens needs beyond its whole chunks of global layers:
     the last partial chunk of each global layer and every block of the sliding ones."""
@@ -236,16 +260,18 @@ def plan_cut(
     namespace: Hashable = None,
     path: Sequence[Node] = (),
     anchors: Sequence[int] = (),
+    checkpoint: Sequence[Sequence[Piece]] = (),
 ) -> Cut:
     """Plan cutting a cache holding ``tokens`` into blocks: every block the index
     already holds for these tokens is shared, the rest copied. Sliding layers keep the
-    blocks that overlap their window, and those of the ``anchors`` (shared boundaries)
-    that are still live."""
+    blocks that overlap their window, those of the ``anchors`` (shared boundaries)
+    that are still live, and the blocks of the ``checkpoint`` pieces (per layer, what
+    the sequence's cache was built from when it started)."""
     spec = pool.spec
     total = len(tokens)
     nodes = index.chain(namespace, tokens, total, path) if total else []
     live, kept = _anchor_blocks(spec, index, namespace, tokens, nodes, anchors)
-    cut = Cut(pool, index, tokens, nodes, live)
+    cut = Cut(pool, index, tokens, list(nodes), live)
     try:
         for number, (layer, c) in enumerate(zip(spec.layers, cache, strict=True)):
             keys, values = c.keys, c.values
@@ -289,6 +315,10 @@ def plan_cut(
                     )
             for block in kept[number]:
                 shared.setdefault(block.id, block)
+            if layer.kind is LayerKind.SLIDING and number < len(checkpoint):
+                _keep_checkpoint(
+                    cut, nodes, number, checkpoint[number], oldest, shared, copies, namespace
+                )
             for block in shared.values():
                 cut.shared[-1].append(pool.share(block))
             cut.copies.append(copies)
@@ -296,6 +326,52 @@ def plan_cut(
         cut.abandon()
         raise
     return cut
+
+
+def _keep_checkpoint(
+    cut: Cut,
+    nodes: Sequence[Node],
+    number: int,
+    pieces: Sequence[Piece],
+    oldest: int,
+    shared: dict[int, KVBlock],
+    copies: list[tuple[Node, int, mx.array, mx.array]],
+    namespace: Hashable,
+) -> None:
+    """Add to layer ``number``'s blocks those of the ``pieces`` a sliding layer's cache
+    started from, where they reach before ``oldest`` (what the layer's cache holds now).
+    A block used to its end belongs to this history and is shared; one used only in
+    part (the history changed inside it, or it came from a longer one) is copied up to
+    where it was used, as the block of a node ending there."""
+    spans = {(b.start, b.end) for b in shared.values()}
+    spans.update((start, node.end) for node, start, _, _ in copies)
+    for block, a, z in pieces:
+        if a >= oldest or block.id in shared or (a, z) in spans:
+            continue
+        if z == block.end:
+            shared[block.id] = block
+            continue
+        depth = (z - 1) // BLOCK_SIZE
+        if depth < len(nodes) and nodes[depth].end == z:
+            node = nodes[depth]
+        else:
+            node = cut.index.chain(namespace, cut.tokens, z, nodes)[-1]
+            cut.nodes.append(node)
+        held = node.blocks.get(number)
+        if held is not None and held.start <= a:
+            shared[held.id] = held
+            continue
+        keys, values = block.keys, block.values
+        assert keys is not None and values is not None
+        lo, hi = a - block.start, z - block.start
+        copies.append(
+            (
+                node,
+                a,
+                mx.contiguous(keys[..., lo:hi, :]),
+                mx.contiguous(values[..., lo:hi, :]),
+            )
+        )
 
 
 def from_cache(
@@ -308,13 +384,21 @@ def from_cache(
     namespace: Hashable = None,
     path: Sequence[Node] = (),
     anchors: Sequence[int] = (),
+    checkpoint: Sequence[Sequence[Piece]] = (),
 ) -> AgentBlocks:
     """Cut a cache holding ``tokens`` into blocks (:func:`plan_cut`), the new ones drawn
     from ``reservation``. On error every block taken is freed again. The copies are
     lazy: evaluate the new blocks (:func:`evaluate`) before the cache is dropped."""
     index = index if index is not None else PrefixIndex(pool.spec)
     cut = plan_cut(
-        pool, cache, tokens, index=index, namespace=namespace, path=path, anchors=anchors
+        pool,
+        cache,
+        tokens,
+        index=index,
+        namespace=namespace,
+        path=path,
+        anchors=anchors,
+        checkpoint=checkpoint,
     )
     return cut.apply(reservation)
 

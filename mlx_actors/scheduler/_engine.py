@@ -20,8 +20,10 @@ from ._blocks import (
     blocks_needed,
     check_blocks,
     checkpoint_blocks,
+    checkpoint_copies,
     evaluate,
     from_cache,
+    pieces,
     plan_cut,
     to_cache,
 )
@@ -29,7 +31,7 @@ from ._pacing import Pacing
 from ._pacing import chunk as fit
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefill import PrefillJob, snapshot
-from ._prefix import PrefixIndex, Source
+from ._prefix import Piece, PrefixIndex, Source
 from ._records import (
     Admission,
     CompletedGeneration,
@@ -85,6 +87,9 @@ class _Sequence:
     #: In the batch with prompt tokens left to prefill.
     prompting: bool = False
     first_token: float | None = None
+    #: Per layer, the pieces of the cache at ``kept`` (where the turn's new tokens
+    #: begin), when they are not the source's: kept as the sliding layers' checkpoint.
+    checkpoint: tuple[tuple[Piece, ...], ...] | None = None
 
 
 class BlockPoolBatchEngine:
@@ -356,8 +361,13 @@ class BlockPoolBatchEngine:
                     else None
                 )
                 final = n + seq.budget
+                # The sliding layers' state where the turn's new tokens begin, if the
+                # prefill must compute it again (see _start_pending).
+                lost = source.length < seq.kept and self.spec.sliding_layers
+                extra = checkpoint_blocks(self.spec, seq.kept) if lost else 0
+                extra += checkpoint_copies(self.spec, source.layers)
                 if target is None:
-                    self._reserve(seq, blocks_needed(self.spec, final, source.length))
+                    self._reserve(seq, blocks_needed(self.spec, final, source.length) + extra)
                 else:
                     job, at, new = target
                     extra = checkpoint_blocks(self.spec, at) if new else 0
@@ -377,7 +387,11 @@ class BlockPoolBatchEngine:
         seq.source, seq.held = source, held
         shared = max(0, source.length - seq.kept)
         seq.admission = Admission(
-            cached_tokens=source.length, shared_tokens=shared, prefill_tokens=n - source.length
+            cached_tokens=source.length,
+            shared_tokens=shared,
+            prefill_tokens=n - source.length,
+            reusable_tokens=seq.kept,
+            not_reused=self._not_reused(seq.kept, source.length),
         )
         if target is None:
             seq.state = "pending"
@@ -388,6 +402,20 @@ class BlockPoolBatchEngine:
         seq.state, seq.waiting = "parked", (job, at)
         owner = job.owner.agent_id if job.owner is not None else None
         seq.admission = attrs.evolve(seq.admission, waits_for=owner, waits_tokens=at)
+
+    def _not_reused(self, reusable: int, cached: int) -> str | None:
+        """Why a sequence starts from ``cached`` tokens when its agent's cache agrees with
+        ``reusable`` of them (``None`` if it loses none)."""
+        if cached >= reusable:
+            return None
+        windows = sorted({layer.window for layer in self.spec.layers if layer.window is not None})
+        if windows:
+            return (
+                f"the history changed at token {reusable}, before what the sliding-window "
+                f"layers still hold (their last {'/'.join(map(str, windows))} tokens, and "
+                f"their state where the last turn started); prefilling from token {cached}"
+            )
+        return f"the blocks of tokens [{cached}, {reusable}) are no longer live"
 
     def _shared_prefill(self, seq: _Sequence, start: int) -> tuple[PrefillJob, int, bool] | None:
         """A prefill (running, or queued to start) that will compute a prefix of ``seq``'s
@@ -648,8 +676,11 @@ class BlockPoolBatchEngine:
             blocks = cut.apply(job.reservation)
             evaluate([blocks])
             job.held.extend(blocks.blocks())
-            job.published.append(at)
             self._checkpoints += 1
+            if job.owner is not None and at == job.owner.kept:
+                job.owner.checkpoint = pieces(self.spec, blocks, at)
+            if waiting:
+                job.published.append(at)
         seed = snapshot(job.cache)
         for seq in waiting:
             seq.waiting, seq.seed = None, seed
@@ -700,7 +731,11 @@ class BlockPoolBatchEngine:
         for seq in pending:
             cached = seq.source.length
             uncached = len(seq.tokens) - 1 - cached
-            if lone and uncached < self.long_prefill:
+            if cached < seq.kept and self.spec.sliding_layers:
+                # The sliding layers lost the history's end: prefill as a job that
+                # stops at it to keep their state there (the turn's checkpoint).
+                self._make_job(seq).checkpoints.setdefault(seq.kept, [])
+            elif lone and uncached < self.long_prefill:
                 self._insert(seq, None)
             elif uncached > 0 and max(uncached, cached) >= self.long_prefill:
                 self._make_job(seq)
@@ -806,6 +841,7 @@ class BlockPoolBatchEngine:
                 namespace=seq.namespace,
                 path=seq.source.path,
                 anchors=seq.anchors,
+                checkpoint=seq.checkpoint or seq.source.layers,
             )
         finally:
             self._release(seq)
@@ -827,6 +863,7 @@ class BlockPoolBatchEngine:
                 cached_tokens=cached,
                 generated_tokens=len(seq.generated),
                 shared_tokens=shared,
+                reusable_tokens=seq.kept,
             ),
             submitted_at=seq.submitted,
             ttft_s=(seq.first_token or now) - seq.submitted,

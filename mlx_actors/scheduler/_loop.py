@@ -299,6 +299,7 @@ class EngineLoop:
             raise _nothing_to_evict(exc) from None
         admission = self.engine.admission(uid)
         assert admission is not None
+        lost = {"not_reused": admission.not_reused} if admission.not_reused else {}
         self._log.info(
             "turn.admitted",
             agent=turn.agent,
@@ -307,6 +308,8 @@ class EngineLoop:
             prefill_tokens=admission.prefill_tokens,
             cached_tokens=admission.cached_tokens,
             shared_tokens=admission.shared_tokens,
+            reusable_tokens=admission.reusable_tokens,
+            **lost,
             queued_ms=round((time.perf_counter() - turn.queued_at) * 1e3, 2),
             pool_used=self.pool.used_blocks,
             pool_free=self.pool.free_blocks,

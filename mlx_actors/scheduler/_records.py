@@ -91,6 +91,10 @@ class Usage:
     generated_tokens: int
     #: Of ``cached_tokens``, those taken from blocks other agents' turns computed.
     shared_tokens: int = 0
+    #: History tokens the turn's prompt shares with the agent's own cache: the most it
+    #: could take from it. More than ``cached_tokens`` when the cache could not serve
+    #: them all (see :attr:`Admission.not_reused`).
+    reusable_tokens: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -103,6 +107,11 @@ class Admission:
     shared_tokens: int
     #: Prompt tokens left to prefill.
     prefill_tokens: int
+    #: Prompt tokens the caller's own cache agrees with (at most ``cached_tokens`` when
+    #: all of them could be reused).
+    reusable_tokens: int = 0
+    #: Why fewer than ``reusable_tokens`` come from the cache (``None`` if none are lost).
+    not_reused: str | None = None
     #: The agent whose prefill computes a longer prefix this sequence waits for.
     waits_for: str | None = None
     #: How long that prefix is.

@@ -1,0 +1,264 @@
+"""Every turn reuses the whole history on sliding-window models too: when the re-rendered
+conversation differs from the cache near its end (a stop string cut from the reply's text,
+a template that trims, a reply that re-encodes differently), a Gemma 3 model prefills
+only the tokens that differ, as Llama does, and its replies stay those of mlx-lm."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from mlx_actors import Runtime
+from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine, LayerKind
+from mlx_actors.testing import CHATML_TEMPLATE, family_configs, write_random_model
+
+from .conftest import Loaded, load, reference, render, run_to_completion
+
+#: The byte tokenizer's end of turn (``<|im_end|>``).
+EOS = {258}
+#: Gemma 3 trims every message; so does this template, on top of ChatML.
+TRIM_TEMPLATE = CHATML_TEMPLATE.replace("message['content']", "message['content'] | trim")
+
+
+def gemma(path: Path, window: int, template: str | None = None) -> Loaded:
+    config = family_configs(window)["gemma3_text"]
+    # Gemma's scaled embeddings saturate at the other tests' larger scale (every reply
+    # would be one repeated token); at 1.0 its replies vary with every cached token.
+    write_random_model(path, config, seed=11, init_scale=1.0)
+    if template is not None:
+        settings = path / "tokenizer_config.json"
+        data = json.loads(settings.read_text())
+        data["chat_template"] = template
+        settings.write_text(json.dumps(data))
+    return load(path)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
+    """Turns shorter than the window."""
+    return gemma(tmp_path_factory.mktemp("reuse") / "wide", window=96)
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
+    """Turns longer than the window."""
+    return gemma(tmp_path_factory.mktemp("reuse") / "narrow", window=24)
+
+
+def rewritten_turns(
+    model: Loaded, turns: int, new: int, reply: int, rewrite: Any, first: int = 0
+) -> list[tuple[Any, list[int], list[int], int]]:
+    """Turns of one agent through the engine; before each, ``rewrite(turn, n, rng)``
+    gives how many of the history's last tokens the next rendering replaces (``n``: the
+    last turn's new tokens, prompt and reply). Returns, per turn, the admission, the whole
+    prompt, the reply, and where its new tokens begin."""
+    pool = BlockPool(model.spec, total_blocks=200)
+    engine = BlockPoolBatchEngine(model.model, model.tokenizer, pool)
+    rng = random.Random(3)
+    blocks, out, start = None, [], 0
+    for turn in range(turns):
+        fresh = [rng.randrange(256) for _ in range(first if first and not turn else new)]
+        if blocks is None:
+            prompt, keep = fresh, 0
+        else:
+            k = min(rewrite(len(out), blocks.num_tokens - start, rng), blocks.num_tokens - 1)
+            keep = blocks.num_tokens - k
+            edit = [rng.randrange(256) for _ in range(k)]
+            prompt = [*blocks.tokens[:keep], *edit, *fresh]
+            while prompt[keep] == blocks.tokens[keep]:
+                prompt[keep] = (prompt[keep] + 1) % 256  # the rewrite starts at `keep`
+        trim = blocks.num_tokens - keep if blocks is not None else 0
+        uid = engine.submit("a", prompt[keep:], blocks, trim=trim, max_tokens=reply)
+        admission = engine.admission(uid)
+        result = run_to_completion(engine)[uid]
+        out.append((admission, prompt, list(result.tokens), keep))
+        engine.release(blocks)
+        start, blocks = keep, result.blocks
+        assert pool.used_blocks == blocks.num_blocks  # nothing else is held
+    engine.release(blocks)
+    assert pool.used_blocks == 0
+    engine.close()
+    return out
+
+
+def test_a_rewrite_inside_the_last_turn_costs_only_what_differs(wide: Loaded) -> None:
+    # Each turn (the rewritten tokens, 20 new ones and the reply) is shorter than the
+    # window; the rewrite replaces 1 to all of the last turn's tokens.
+    turns = rewritten_turns(
+        wide, 14, new=20, reply=30, rewrite=lambda t, n, rng: rng.randint(1, min(n, 40))
+    )
+    for number, (admission, prompt, reply, keep) in enumerate(turns):
+        assert admission.reusable_tokens == keep
+        assert admission.cached_tokens == keep, number
+        assert admission.prefill_tokens == len(prompt) - keep
+        assert admission.not_reused is None
+        assert reply == reference(wide.model, prompt, 30, stop=EOS), number
+    assert len(turns[-1][1]) > 256 + 2 * 96  # several windows, across blocks
+
+
+def test_a_turn_longer_than_the_window_restarts_where_it_began(narrow: Loaded) -> None:
+    # Each turn is longer than the window: inside it, the layers hold only the window
+    # at its start (the checkpoint) and at its end.
+    turns = rewritten_turns(
+        narrow, 8, new=20, reply=30, rewrite=lambda t, n, rng: rng.randint(1, n)
+    )
+    for number, (admission, prompt, reply, keep) in enumerate(turns[1:], 1):
+        last_start = turns[number - 1][3]  # where the last turn's new tokens began
+        assert admission.reusable_tokens == keep
+        assert admission.cached_tokens == last_start, number
+        if last_start < keep:
+            assert admission.not_reused is not None
+            assert f"changed at token {keep}" in admission.not_reused
+        assert reply == reference(narrow.model, prompt, 30, stop=EOS), number
+
+
+def test_a_rewrite_before_the_checkpoint_starts_further_back(narrow: Loaded) -> None:
+    # Rewrites that reach 80 tokens into the turn before the last: the sliding layers
+    # hold no state there (only what their blocks happen to keep around the window),
+    # so the history is prefilled again from further back, and still exactly.
+    turns = rewritten_turns(
+        narrow, 6, new=40, reply=30, rewrite=lambda t, n, rng: n + 80, first=400
+    )
+    for number, (admission, prompt, reply, keep) in enumerate(turns[1:], 1):
+        assert admission.reusable_tokens == keep
+        assert admission.cached_tokens <= keep
+        assert (admission.not_reused is None) == (admission.cached_tokens == keep)
+        assert reply == reference(narrow.model, prompt, 30, stop=EOS), number
+    assert any(a.cached_tokens == 0 < a.reusable_tokens for a, *_ in turns)
+
+
+def test_sliding_layers_hold_the_window_and_the_checkpoint(wide: Loaded) -> None:
+    pool = BlockPool(wide.spec, total_blocks=200)
+    engine = BlockPoolBatchEngine(wide.model, wide.tokenizer, pool)
+    blocks, total = None, 0
+    for turn in range(8):
+        uid = engine.submit("a", [(5 * i + turn) % 256 for i in range(40)], blocks, max_tokens=8)
+        result = run_to_completion(engine)[uid]
+        engine.release(blocks)
+        start, blocks = total, result.blocks
+        total = blocks.num_tokens
+        for layer, held in zip(wide.spec.layers, blocks.layers):
+            if layer.kind is LayerKind.SLIDING:
+                first = min(b.start for b in held)
+                assert first <= max(0, start - 96)  # the window before the turn began
+                assert first > start - 96 - 256  # and nothing older than its block
+    assert total > 256 + 96
+    engine.release(blocks)
+    engine.close()
+
+
+STOPS = ("e", "o")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("case", ["stop", "trim", "concurrent"])
+async def test_dialogues_reuse_every_matching_token_and_equal_mlx_lm(
+    case: str, anyio_backend: str, tmp_path: Path
+) -> None:
+    model = gemma(tmp_path / case, window=160, template=TRIM_TEMPLATE if case == "trim" else None)
+    stop = STOPS if case != "trim" else None
+    rounds, words = 10, 24
+    async with Runtime(model.path, pool_blocks=400, log_level="off") as rt:
+        agents = [
+            await rt.spawn(f"a{i}", system=f"You are agent {i}.", max_tokens=words, stop=stop)
+            for i in range(3)
+        ]
+        replies: dict[str, list[Any]] = {a.name: [] for a in agents}
+
+        async def ask(agent: Any, text: str) -> None:
+            replies[agent.name].append(await agent.ask(text))
+
+        line = "Where shall we go?"
+        for r in range(rounds):
+            if case == "concurrent":
+                async with anyio.create_task_group() as tg:
+                    for agent in agents:
+                        tg.start_soon(ask, agent, f"Round {r}: where now?")
+            else:
+                for agent in agents:
+                    await ask(agent, f"{r}. {line}")
+                    line = replies[agent.name][-1].text[:8] or "Go on."
+        histories = {a.name: a.history for a in agents}
+    eos = model.tokenizer.eos_token_ids
+    rewritten = stopped = 0
+    for name, history in histories.items():
+        cached = 0
+        for turn, reply in enumerate(replies[name]):
+            usage = reply.usage
+            assert usage.cached_tokens >= usage.reusable_tokens, (name, turn)  # none lost
+            rewritten += 0 < usage.reusable_tokens < cached
+            cached = usage.cached_tokens + usage.prompt_tokens + usage.generated_tokens
+            # mlx-lm re-rendering the same conversation, from scratch
+            prompt = render(model.tokenizer, history[: 2 + 2 * turn])
+            want, got = reference(model.model, prompt, words, stop=eos), list(reply.tokens)
+            assert got == want[: len(got)], (name, turn)
+            if len(got) < len(want):  # a stop string ended it
+                text = model.tokenizer.decode(got)
+                assert stop is not None and any(s in text for s in stop), (name, turn)
+                stopped += 1
+        assert cached > 256 + 160  # the history crossed blocks and windows
+    assert rewritten > 0  # the cache was rewritten near its end: the rewind ran
+    assert stop is None or stopped > 0
+
+
+@pytest.mark.anyio
+async def test_the_trace_says_when_and_why_history_was_not_reused(
+    narrow: Loaded, anyio_backend: str, tmp_path: Path
+) -> None:
+    # Turns longer than the window, whose replies often re-encode differently: some
+    # turns restart from their checkpoint, and the trace says so.
+    path = tmp_path / "run.jsonl"
+    async with Runtime(narrow.path, pool_blocks=200, trace=path, log_level="off") as rt:
+        agent = await rt.spawn("ann", max_tokens=24)
+        for r in range(6):
+            await agent.ask(f"Turn {r}: say something long enough to fill the window.")
+    admitted = [
+        e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == "turn.admitted"
+    ]
+    assert len(admitted) == 6
+    for event in admitted:
+        lost = event["cached_tokens"] < event["reusable_tokens"]
+        assert ("not_reused" in event) == lost
+        if lost:
+            assert "sliding-window" in event["not_reused"]
+            assert f"changed at token {event['reusable_tokens']}" in event["not_reused"]
+    assert any("not_reused" in e for e in admitted)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("pool_blocks", [400, 40])
+async def test_the_checkpoint_survives_eviction_and_restart(
+    pool_blocks: int, anyio_backend: str, tmp_path: Path
+) -> None:
+    # With 40 blocks, the pool holds one agent's cache at a time: every turn restores
+    # the other's from host memory or disk; a restart reads them from the state files.
+    model = gemma(tmp_path / "model", window=160)
+    state = tmp_path / "state"
+    replies: dict[str, list[Any]] = {"a": [], "b": []}
+    histories: dict[str, list[Any]] = {}
+    for run in range(2):
+        async with Runtime(
+            model.path, pool_blocks=pool_blocks, log_level="off", state_dir=state
+        ) as rt:
+            agents = (
+                [await rt.spawn(n, system=f"You are {n}.", max_tokens=24) for n in replies]
+                if run == 0
+                else [rt.agent(n) for n in replies]
+            )
+            for r in range(5):
+                for agent in agents:
+                    replies[agent.name].append(await agent.ask(f"Run {run}, turn {r}: go on."))
+            histories = {a.name: a.history for a in agents}
+            if pool_blocks < 100:
+                assert (await rt.stats()).restores > 0
+    for name, history in histories.items():
+        for turn, reply in enumerate(replies[name]):
+            assert reply.usage.cached_tokens >= reply.usage.reusable_tokens, (name, turn)
+            prompt = render(model.tokenizer, history[: 2 + 2 * turn])
+            assert list(reply.tokens) == reference(model.model, prompt, 24, stop=EOS)
+        assert sum(r.usage.generated_tokens + r.usage.prompt_tokens for r in replies[name]) > 416
