@@ -241,6 +241,7 @@ async def test_the_checkpoint_survives_eviction_and_restart(
     state = tmp_path / "state"
     replies: dict[str, list[Any]] = {"a": [], "b": []}
     histories: dict[str, list[Any]] = {}
+    blocks: dict[str, int] = {}
     for run in range(2):
         async with Runtime(
             model.path, pool_blocks=pool_blocks, log_level="off", state_dir=state
@@ -250,10 +251,13 @@ async def test_the_checkpoint_survives_eviction_and_restart(
                 if run == 0
                 else [rt.agent(n) for n in replies]
             )
+            if run == 1:  # a resumed agent counts the blocks its saved cache holds
+                assert {a.name: a.statistics().cached_blocks for a in agents} == blocks
             for r in range(5):
                 for agent in agents:
                     replies[agent.name].append(await agent.ask(f"Run {run}, turn {r}: go on."))
             histories = {a.name: a.history for a in agents}
+            blocks = {a.name: a.statistics().cached_blocks for a in agents}
             if pool_blocks < 100:
                 assert (await rt.stats()).restores > 0
     for name, history in histories.items():

@@ -261,11 +261,11 @@ class Runtime:
                 await self._store.drop(orphan)
         for record in records:
             try:
-                tokens = await anyio.to_thread.run_sync(self._store.tokens, record.name)
+                tokens, blocks = await anyio.to_thread.run_sync(self._store.tokens, record.name)
             except CorruptStateError as exc:
                 self.log.error("blocks.lost", agent=record.name, error=str(exc))
                 await self._store.drop(record.name)
-                tokens = ()
+                tokens, blocks = (), 0
             if tokens:
                 self._scheduler.adopt(record.name, tokens)
             assert self._scheduler.spec is not None
@@ -276,7 +276,7 @@ class Runtime:
                 mailbox_size=self._mailbox_size,
                 messages=[Message(role=m["role"], content=m["content"]) for m in record.messages],
                 turns=record.turns,
-                cached=(len(tokens), self._scheduler.spec.blocks_held(len(tokens))),
+                cached=(len(tokens), blocks),
             )
             self.log.info("agent.resumed", agent=record.name, cached_tokens=len(tokens))
 

@@ -103,9 +103,16 @@ class DiskCacheStore:
             if NAME.fullmatch(p.name) and (p / "index.json").exists()
         )
 
-    def tokens(self, agent: str) -> tuple[int, ...]:
+    def tokens(self, agent: str) -> tuple[tuple[int, ...], int]:
+        """The tokens ``agent``'s saved cache holds, and its number of blocks."""
         index = self._index(agent)
-        return tuple(index["tokens"]) if index is not None else ()
+        if index is None:
+            return (), 0
+        try:
+            return tuple(index["tokens"]), sum(len(row) for row in index["layers"])
+        except (KeyError, TypeError) as exc:
+            where = self.where(agent)
+            raise CorruptStateError(f"{where} does not describe its chunks: {exc!r}") from exc
 
     async def save(self, agent: str, image: CacheImage) -> Mapping[int, str]:
         try:
