@@ -132,6 +132,117 @@ def test_a_rewrite_before_the_checkpoint_starts_further_back(narrow: Loaded) -> 
     assert any(a.cached_tokens == 0 < a.reusable_tokens for a, *_ in turns)
 
 
+def first_turn(model: Loaded, engine: BlockPoolBatchEngine, length: int) -> Any:
+    """One agent's first turn: ``length`` prompt tokens and a short reply; its result."""
+    prompt = [(7 * i + 3) % 256 for i in range(length)]
+    uid = engine.submit("a", prompt, None, max_tokens=6)
+    return run_to_completion(engine)[uid]
+
+
+def test_a_cancelled_prefill_that_keeps_a_checkpoint_returns_its_blocks(
+    narrow: Loaded,
+) -> None:
+    # The next turn changes the history at token 2500, long before the window at its
+    # end: the prefill from token 0 runs as a job that stops at 2500 to keep the
+    # checkpoint, longer than one step's chunks. Cancelled half-way, the job goes too.
+    pool = BlockPool(narrow.spec, total_blocks=200)
+    engine = BlockPoolBatchEngine(narrow.model, narrow.tokenizer, pool, prefill_batch_size=1)
+    blocks = first_turn(narrow, engine, 2600).blocks
+    prompt = [*blocks.tokens[:2500], 1, 2, 3]
+    uid = engine.submit("a", prompt[2500:], blocks, trim=blocks.num_tokens - 2500, max_tokens=4)
+    assert engine.admission(uid).cached_tokens == 0  # type: ignore[union-attr]
+    assert pool.statistics().reserved_blocks > 0
+    jobs = engine.statistics().prefill_jobs
+    engine.step()
+    assert engine.statistics().prefill_jobs == jobs + 1  # running, not yet at 2500
+    assert engine.statistics().checkpoints == 0
+    assert engine.cancel(uid)
+    assert pool.statistics().reserved_blocks == 0
+    assert pool.used_blocks == blocks.num_blocks
+    assert engine.step() == [] and engine.last_step is None  # nothing left to run
+    engine.release(blocks)
+    assert pool.used_blocks == 0
+    engine.close()
+
+
+def test_a_turn_whose_prefill_another_shares_still_keeps_its_checkpoint(narrow: Loaded) -> None:
+    # A forked agent and its parent send the same deep rewrite together: the parent's
+    # prefill becomes a job the fork waits on, and both turns still keep the state
+    # where they began (token 300), so their next rewrites start there.
+    pool = BlockPool(narrow.spec, total_blocks=300)
+    engine = BlockPoolBatchEngine(narrow.model, narrow.tokenizer, pool)
+    blocks = first_turn(narrow, engine, 600).blocks
+    fork = engine.share(blocks)
+    prompt = [*blocks.tokens[:300], *[(11 * i) % 256 for i in range(300)]]
+    trim = blocks.num_tokens - 300
+    jobs = engine.statistics().prefill_jobs
+    uids = [
+        engine.submit(name, prompt[300:], b, trim=trim, max_tokens=8)
+        for name, b in (("a", blocks), ("b", fork))
+    ]
+    done = run_to_completion(engine)
+    assert engine.statistics().prefill_jobs == jobs + 1  # the fork waited for the parent's
+    engine.release(blocks)
+    engine.release(fork)
+    seconds = [done[uid] for uid in uids]
+    assert list(seconds[0].tokens) == reference(narrow.model, prompt, 8, stop=EOS)
+    assert seconds[1].tokens == seconds[0].tokens
+    # each one's next turn changes the history inside the last one, before the blocks
+    # that hold its window (from token 512)
+    for name, second in zip("ab", seconds, strict=True):
+        prompt = [*second.blocks.tokens[:330], *[(13 * i) % 256 for i in range(20)]]
+        trim = second.blocks.num_tokens - 330
+        uid = engine.submit(name, prompt[330:], second.blocks, trim=trim, max_tokens=8)
+        admission = engine.admission(uid)
+        assert admission is not None and admission.reusable_tokens == 330
+        assert admission.cached_tokens == 300, name  # the checkpoint, not token 0
+        third = run_to_completion(engine)[uid]
+        assert list(third.tokens) == reference(narrow.model, prompt, 8, stop=EOS)
+        engine.release(second.blocks)
+        engine.release(third.blocks)
+    assert pool.used_blocks == 0
+    engine.close()
+
+
+@pytest.mark.parametrize("cancelled", [0, 1])
+def test_cancelling_either_side_of_a_prefill_that_keeps_checkpoints(
+    narrow: Loaded, cancelled: int
+) -> None:
+    # As above, one of the two is cancelled while the parent's job runs: the other
+    # finishes exactly, with its checkpoint, and every block comes back.
+    pool = BlockPool(narrow.spec, total_blocks=300)
+    engine = BlockPoolBatchEngine(narrow.model, narrow.tokenizer, pool, prefill_batch_size=1)
+    blocks = first_turn(narrow, engine, 2200).blocks
+    fork = engine.share(blocks)
+    prompt = [*blocks.tokens[:2100], *[(11 * i) % 256 for i in range(300)]]
+    trim = blocks.num_tokens - 2100
+    uids = [
+        engine.submit(name, prompt[2100:], b, trim=trim, max_tokens=8)
+        for name, b in (("a", blocks), ("b", fork))
+    ]
+    engine.step()  # the job stops short of 2100 (chunks of 2048 at most)
+    assert engine.statistics().checkpoints == 0
+    assert engine.cancel(uids[cancelled])
+    done = run_to_completion(engine)
+    assert list(done) == [uids[1 - cancelled]]
+    result = done[uids[1 - cancelled]]
+    assert list(result.tokens) == reference(narrow.model, prompt, 8, stop=EOS)
+    engine.release(blocks)
+    engine.release(fork)
+    assert pool.used_blocks == result.blocks.num_blocks
+    assert pool.statistics().reserved_blocks == 0
+    prompt = [*result.blocks.tokens[:2130], 5, 6, 7]
+    uid = engine.submit(
+        "c", prompt[2130:], result.blocks, trim=result.blocks.num_tokens - 2130, max_tokens=4
+    )
+    admission = engine.admission(uid)
+    assert admission is not None and admission.cached_tokens == 2100  # its checkpoint
+    engine.cancel(uid)
+    engine.release(result.blocks)
+    assert pool.used_blocks == 0 and pool.statistics().reserved_blocks == 0
+    engine.close()
+
+
 def test_sliding_layers_hold_the_window_and_the_checkpoint(wide: Loaded) -> None:
     pool = BlockPool(wide.spec, total_blocks=200)
     engine = BlockPoolBatchEngine(wide.model, wide.tokenizer, pool)

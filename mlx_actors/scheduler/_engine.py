@@ -90,6 +90,8 @@ class _Sequence:
     #: Per layer, the pieces of the cache at ``kept`` (where the turn's new tokens
     #: begin), when they are not the source's: kept as the sliding layers' checkpoint.
     checkpoint: tuple[tuple[Piece, ...], ...] | None = None
+    #: References to the checkpoint's blocks, when a prefill job of another made them.
+    kept_blocks: list[KVBlock] = attrs.Factory(list)
 
 
 class BlockPoolBatchEngine:
@@ -371,6 +373,8 @@ class BlockPoolBatchEngine:
                 else:
                     job, at, new = target
                     extra = checkpoint_blocks(self.spec, at) if new else 0
+                    if lost and job.pos < seq.kept < at:  # the job keeps its checkpoint
+                        extra += checkpoint_blocks(self.spec, seq.kept)
                     self._reserve(seq, blocks_needed(self.spec, final, at) + extra)
                     assert seq.reservation is not None
                     seq.reservation.give(extra, job.reservation)
@@ -399,9 +403,16 @@ class BlockPoolBatchEngine:
             return
         job, at, _ = target
         job.checkpoints.setdefault(at, []).append(seq)
+        if self._lost(seq) and job.pos < seq.kept < at:
+            job.keep(seq.kept, seq)
         seq.state, seq.waiting = "parked", (job, at)
         owner = job.owner.agent_id if job.owner is not None else None
         seq.admission = attrs.evolve(seq.admission, waits_for=owner, waits_tokens=at)
+
+    def _lost(self, seq: _Sequence) -> bool:
+        """Whether the sliding layers' state where ``seq``'s new tokens begin must be
+        computed again (its source stops short of it)."""
+        return seq.source.length < seq.kept and bool(self.spec.sliding_layers)
 
     def _not_reused(self, reusable: int, cached: int) -> str | None:
         """Why a sequence starts from ``cached`` tokens when its agent's cache agrees with
@@ -463,6 +474,10 @@ class BlockPoolBatchEngine:
         )
         if seq.seed is not None and seq.seed[0].offset == seq.source.length:
             job.cache = snapshot(seq.seed)  # its own cache objects, over the same views
+        if self._lost(seq):
+            # The sliding layers lost the history's end: the job stops there to keep
+            # their state (the turn's checkpoint, see _publish).
+            job.keep(seq.kept, seq)
         seq.reservation, seq.held, seq.seed = None, [], None
         seq.state, seq.job = "job", job
         self._jobs.append(job)
@@ -644,10 +659,10 @@ class BlockPoolBatchEngine:
             self.pacing.record(n, time.perf_counter() - began)
             done += n
             ran += 1
-            if job.pos in job.checkpoints:
+            if job.stops_at(job.pos):
                 self._publish(job, job.pos)
                 self._start_pending()  # the waiters' own jobs can run in this step too
-            if job.owner is None and not job.checkpoints:
+            if job.orphaned:
                 self._drop_job(job)
             elif job.pos == job.end:
                 self._end_job(job)
@@ -658,7 +673,7 @@ class BlockPoolBatchEngine:
     def _publish(self, job: PrefillJob, at: int) -> None:
         """Cut the job's cache at ``at`` into blocks (indexed, so the waiting sequences
         find them) and plan the sequences that waited for it."""
-        waiting = job.checkpoints.pop(at)
+        waiting, keepers = job.checkpoints.pop(at, []), job.keeps.pop(at, [])
         assert job.cache is not None
         cut = plan_cut(
             self.pool,
@@ -677,8 +692,10 @@ class BlockPoolBatchEngine:
             evaluate([blocks])
             job.held.extend(blocks.blocks())
             self._checkpoints += 1
-            if job.owner is not None and at == job.owner.kept:
-                job.owner.checkpoint = pieces(self.spec, blocks, at)
+            for seq in keepers:  # (the blocks stay held: by the job, which its owner
+                seq.checkpoint = pieces(self.spec, blocks, at)  # inherits, or by seq)
+                if seq is not job.owner:
+                    seq.kept_blocks = [self.pool.share(b) for b in blocks.blocks()]
             if waiting:
                 job.published.append(at)
         seed = snapshot(job.cache)
@@ -731,10 +748,8 @@ class BlockPoolBatchEngine:
         for seq in pending:
             cached = seq.source.length
             uncached = len(seq.tokens) - 1 - cached
-            if cached < seq.kept and self.spec.sliding_layers:
-                # The sliding layers lost the history's end: prefill as a job that
-                # stops at it to keep their state there (the turn's checkpoint).
-                self._make_job(seq).checkpoints.setdefault(seq.kept, [])
+            if self._lost(seq):
+                self._make_job(seq)  # it keeps the sliding layers' state at seq.kept
             elif lone and uncached < self.long_prefill:
                 self._insert(seq, None)
             elif uncached > 0 and max(uncached, cached) >= self.long_prefill:
@@ -818,8 +833,8 @@ class BlockPoolBatchEngine:
         if seq.reservation is not None:
             seq.reservation.release()
             seq.reservation = None
-        self.pool.free(seq.held)
-        seq.held = []
+        self.pool.free([*seq.held, *seq.kept_blocks])
+        seq.held, seq.kept_blocks = [], []
 
     def _finish(
         self, seq: _Sequence, cache: list[Any], reason: FinishReason
@@ -889,16 +904,14 @@ class BlockPoolBatchEngine:
             self._pending.remove(seq)
         elif seq.state == "parked":
             assert seq.waiting is not None
-            job, at = seq.waiting
-            job.checkpoints[at].remove(seq)
-            if not job.checkpoints[at]:
-                del job.checkpoints[at]
-            if job.owner is None and not job.checkpoints and job in self._jobs:
+            job, _ = seq.waiting
+            job.leave(seq)
+            if job.orphaned and job in self._jobs:
                 self._drop_job(job)
         elif seq.state == "job":
             assert seq.job is not None
-            seq.job.owner = None  # it goes on for the sequences that wait on it
-            if not seq.job.checkpoints:
+            seq.job.leave(seq)  # it goes on for the sequences that wait on it
+            if seq.job.orphaned:
                 self._drop_job(seq.job)
         self._release(seq)
         return True

@@ -47,6 +47,9 @@ class PrefillJob:
     cache: list[Any] | None = None
     #: Positions where sequences wait for the prefix, and who waits there.
     checkpoints: dict[int, list[Any]] = attrs.Factory(dict)
+    #: Positions where sequences on a sliding-window model want the state kept as their
+    #: checkpoint (where their turns' new tokens begin), and who: the job stops there.
+    keeps: dict[int, list[Any]] = attrs.Factory(dict)
     #: Positions it published blocks at.
     published: list[int] = attrs.Factory(list)
 
@@ -59,8 +62,32 @@ class PrefillJob:
                 return known, False
         return at, True
 
+    def keep(self, at: int, seq: Any) -> None:
+        """Stop at ``at`` and give ``seq`` the state there as its checkpoint."""
+        self.keeps.setdefault(at, []).append(seq)
+
+    def leave(self, seq: Any) -> None:
+        """``seq`` (its owner or a sequence waiting on it) was cancelled: forget it. The
+        job goes on while anyone else waits on it."""
+        if self.owner is seq:
+            self.owner = None
+        for table in (self.checkpoints, self.keeps):
+            for at in [at for at, seqs in table.items() if seq in seqs]:
+                table[at].remove(seq)
+                if not table[at]:
+                    del table[at]
+
+    def stops_at(self, at: int) -> bool:
+        return at in self.checkpoints or at in self.keeps
+
+    @property
+    def orphaned(self) -> bool:
+        """Nobody needs it any more: no owner, and no sequence waits at a checkpoint."""
+        return self.owner is None and not any(self.checkpoints.values())
+
     def next_stop(self) -> int:
-        return min((at for at in self.checkpoints if at > self.pos), default=self.end)
+        stops = (at for at in (*self.checkpoints, *self.keeps) if at > self.pos)
+        return min(stops, default=self.end)
 
     def run_chunk(self, model: Module, spec: ModelCacheSpec, limit: int) -> int:
         """Prefill up to ``limit`` tokens, stopping at the next checkpoint; returns how
