@@ -10,7 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_actors.testing import tiny_config, write_random_model
+from mlx_actors.testing import family_configs, tiny_config, write_random_model
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": tiny_config(
@@ -43,6 +43,23 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_theta=500000.0,
         max_position_embeddings=131072,
         tie_word_embeddings=True,
+    ),
+    # The tests' tiny Gemma 3 (5 sliding-window layers of 64 tokens to 1 global).
+    "tiny-gemma3": family_configs(64)["gemma3_text"],
+    # Gemma-3-1B: 5 sliding-window layers (512 tokens) to 1 global, one KV head of 256.
+    "gemma-3-1b": tiny_config(
+        "gemma3_text",
+        hidden_size=1152,
+        num_hidden_layers=26,
+        intermediate_size=6912,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        vocab_size=262144,
+        sliding_window=512,
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=256,
+        max_position_embeddings=32768,
     ),
 }
 DTYPES = {"bf16": mx.bfloat16, "f16": mx.float16, "f32": mx.float32}

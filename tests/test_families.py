@@ -14,7 +14,13 @@ import pytest
 
 from mlx_actors import Runtime
 from mlx_actors.errors import UnsupportedModelError
-from mlx_actors.scheduler import BLOCK_SIZE, BlockPool, BlockPoolBatchEngine, LayerKind
+from mlx_actors.scheduler import (
+    BLOCK_SIZE,
+    SLIDING_MARGIN,
+    BlockPool,
+    BlockPoolBatchEngine,
+    LayerKind,
+)
 from mlx_actors.scheduler._prefix import runs_of
 from mlx_actors.testing import family_configs, write_random_model
 
@@ -93,11 +99,20 @@ def test_sliding_layers_keep_only_their_window_and_the_turns_start(family: Loade
                 assert len(layer_blocks) == math.ceil(total / BLOCK_SIZE)
                 assert held == [(0, total)]
             else:
-                # The window at the end, and the window where the turn started (the
-                # turn was longer than a window: two runs); older tokens were dropped.
-                window = [(total - WINDOW, total)]
-                assert held == ([(start - WINDOW, start), *window] if start else window)
-                assert len(layer_blocks) <= 2 * (math.ceil(WINDOW / BLOCK_SIZE) + 1)
+                # The window at the end with the margin before it, and the window
+                # where the turn started (the turn was longer than both: two runs);
+                # older tokens were dropped.
+                window = (total - WINDOW - SLIDING_MARGIN, total)
+                assert held[-1] == window
+                if start:  # (the checkpoint reaches back to its blocks' start at most)
+                    (first, end), *_ = held
+                    assert len(held) == 2 and end == start
+                    assert (start - WINDOW) // BLOCK_SIZE * BLOCK_SIZE <= first
+                    assert first <= start - WINDOW
+                else:
+                    assert len(held) == 1
+                end_blocks = math.ceil((WINDOW + SLIDING_MARGIN) / BLOCK_SIZE) + 1
+                assert len(layer_blocks) <= end_blocks + math.ceil(WINDOW / BLOCK_SIZE) + 1
         assert pool.used_blocks == blocks.num_blocks
     assert total > 1000
     engine.release(blocks)

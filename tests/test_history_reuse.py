@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from mlx_actors import Runtime
-from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine, LayerKind
+from mlx_actors.scheduler import SLIDING_MARGIN, BlockPool, BlockPoolBatchEngine, LayerKind
 from mlx_actors.testing import CHATML_TEMPLATE, family_configs, write_random_model
 
 from .conftest import Loaded, load, reference, render, run_to_completion
@@ -101,20 +101,79 @@ def test_a_rewrite_inside_the_last_turn_costs_only_what_differs(wide: Loaded) ->
     assert len(turns[-1][1]) > 256 + 2 * 96  # several windows, across blocks
 
 
-def test_a_turn_longer_than_the_window_restarts_where_it_began(narrow: Loaded) -> None:
-    # Each turn is longer than the window: inside it, the layers hold only the window
-    # at its start (the checkpoint) and at its end.
-    turns = rewritten_turns(
-        narrow, 8, new=20, reply=30, rewrite=lambda t, n, rng: rng.randint(1, n)
-    )
+def test_a_turn_longer_than_the_window_rewinds_its_end_or_restarts_where_it_began(
+    narrow: Loaded,
+) -> None:
+    # Each turn is longer than the window: the sliding layers hold their window at the
+    # turn's start (the checkpoint) and at its end, plus the margin before the latter.
+    # A rewrite within the margin costs what differs; a deeper one restarts at the
+    # checkpoint.
+    def rewrite(turn: int, n: int, rng: random.Random) -> int:
+        return rng.randint(1, SLIDING_MARGIN) if turn % 2 else rng.randint(min(100, n), n)
+
+    turns = rewritten_turns(narrow, 10, new=80, reply=30, rewrite=rewrite)
+    restarts = 0
     for number, (admission, prompt, reply, keep) in enumerate(turns[1:], 1):
         last_start = turns[number - 1][3]  # where the last turn's new tokens began
         assert admission.reusable_tokens == keep
-        assert admission.cached_tokens == last_start, number
-        if last_start < keep:
+        _, last_prompt, last_reply, _ = turns[number - 1]
+        if len(last_prompt) + len(last_reply) - keep <= SLIDING_MARGIN:
+            assert admission.cached_tokens == keep, number
+        assert admission.cached_tokens in (keep, last_start), number
+        if admission.cached_tokens < keep:
+            restarts += 1
             assert admission.not_reused is not None
             assert f"changed at token {keep}" in admission.not_reused
         assert reply == reference(narrow.model, prompt, 30, stop=EOS), number
+    assert restarts > 0
+
+
+@pytest.mark.parametrize("join_after", [0, 5])
+def test_in_the_batch_too_a_rewrite_of_the_last_tokens_costs_only_what_differs(
+    narrow: Loaded, join_after: int
+) -> None:
+    # Three agents decode together, replies longer than the window; the first decodes
+    # alone for `join_after` steps before the others join it (its cache moves into
+    # the batch). Each next turn rewrites up to SLIDING_MARGIN of the last tokens.
+    pool = BlockPool(narrow.spec, total_blocks=300)
+    engine = BlockPoolBatchEngine(narrow.model, narrow.tokenizer, pool)
+    rng = random.Random(5)
+    held: dict[str, Any] = {}
+    keeps = dict.fromkeys("abc", 0)  # where each one's last turn began
+    for turn in range(5):
+        uids, prompts, done = {}, {}, {}
+        for number, name in enumerate("abc"):
+            fresh = [rng.randrange(256) for _ in range(20)]
+            blocks = held.get(name)
+            if blocks is None:
+                prompt, keep = [number, *fresh], 0
+            else:
+                # within the last turn, and at most SLIDING_MARGIN tokens back
+                depth = rng.randint(1, min(SLIDING_MARGIN, blocks.num_tokens - keeps[name]))
+                keep = blocks.num_tokens - depth
+                prompt = [*blocks.tokens[:keep], *fresh]
+                while prompt[keep] == blocks.tokens[keep]:
+                    prompt[keep] = (prompt[keep] + 1) % 256
+            trim = blocks.num_tokens - keep if blocks is not None else 0
+            uids[name] = engine.submit(name, prompt[keep:], blocks, trim=trim, max_tokens=50)
+            prompts[name], keeps[name] = prompt, keep
+            admission = engine.admission(uids[name])
+            assert admission is not None and admission.cached_tokens == keep, (turn, name)
+            if number == 0:
+                for _ in range(join_after):
+                    done.update((r.uid, r) for r in engine.step())
+        done.update(run_to_completion(engine))
+        assert engine.statistics().max_decode_batch >= 2
+        for name, uid in uids.items():
+            result = done[uid]
+            want = reference(narrow.model, prompts[name], 50, stop=EOS)
+            assert list(result.tokens) == want, (turn, name)
+            engine.release(held.get(name))
+            held[name] = result.blocks
+    for blocks in held.values():
+        engine.release(blocks)
+    assert pool.used_blocks == 0
+    engine.close()
 
 
 def test_a_rewrite_before_the_checkpoint_starts_further_back(narrow: Loaded) -> None:
@@ -319,12 +378,15 @@ async def test_dialogues_reuse_every_matching_token_and_equal_mlx_lm(
 
 @pytest.mark.anyio
 async def test_the_trace_says_when_and_why_history_was_not_reused(
-    narrow: Loaded, anyio_backend: str, tmp_path: Path
+    anyio_backend: str, tmp_path: Path
 ) -> None:
-    # Turns longer than the window, whose replies often re-encode differently: some
-    # turns restart from their checkpoint, and the trace says so.
+    # A template that counts the messages at the top changes every history near its
+    # start: once the history outgrew the window and the margin, the sliding layers
+    # hold nothing there, and the trace says so.
+    template = "Messages: {{ messages | length }}.\n" + CHATML_TEMPLATE
+    model = gemma(tmp_path / "model", window=24, template=template)
     path = tmp_path / "run.jsonl"
-    async with Runtime(narrow.path, pool_blocks=200, trace=path, log_level="off") as rt:
+    async with Runtime(model.path, pool_blocks=200, trace=path, log_level="off") as rt:
         agent = await rt.spawn("ann", max_tokens=24)
         for r in range(6):
             await agent.ask(f"Turn {r}: say something long enough to fill the window.")

@@ -28,6 +28,7 @@ from ._records import TokenEvent as TokenEvent
 from ._records import Usage as Usage
 from ._records import check_stops as check_stops
 from ._spec import BLOCK_SIZE as BLOCK_SIZE
+from ._spec import SLIDING_MARGIN as SLIDING_MARGIN
 from ._spec import LayerKind as LayerKind
 from ._spec import LayerSpec as LayerSpec
 from ._spec import ModelCacheSpec as ModelCacheSpec

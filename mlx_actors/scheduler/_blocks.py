@@ -6,12 +6,14 @@ earlier position. A sliding-window layer's cache holds only its last ``window`` 
 so by itself it could only continue from the very end: if the next rendering of the
 conversation differs from the cache anywhere (a stop string cut from the reply's text,
 a template that trims, a reply that re-encodes differently), nothing could be reused.
-So when a turn's cache is cut into blocks, its sliding layers also keep the blocks the
-turn started from (its *checkpoint*: the window before the turn's first new token).
-When the turn added at most about a window of tokens, the two runs of blocks meet and
-the layer can restart anywhere in the turn; when it added more, it can still restart
-where the turn began. The cost is those blocks: up to one more window per sliding
-layer, until the next turn replaces them with its own.
+So when a turn's cache is cut into blocks, its sliding layers also keep the tokens
+their ring overwrote last (the *margin*, :mod:`._margin`: ``SLIDING_MARGIN`` tokens
+before the window), so the history's last tokens can be rewound, and the blocks the turn
+started from (its *checkpoint*: the window before the turn's first new token). When the
+turn added at most about a window of tokens, the runs of blocks meet and the layer can
+restart anywhere in the turn; when it added more, it can still restart where the turn
+began. The cost is those blocks: the margin's, and up to one more window per sliding
+layer for the checkpoint, until the next turn replaces them with its own.
 """
 
 from __future__ import annotations
@@ -24,9 +26,17 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..errors import CacheReconstructionError
+from ._margin import MarginRotatingKVCache
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefix import Node, Piece, PrefixIndex, cover, runs_of
-from ._spec import BLOCK_SIZE, LayerKind, LayerSpec, ModelCacheSpec, max_blocks_for_layer
+from ._spec import (
+    BLOCK_SIZE,
+    SLIDING_MARGIN,
+    LayerKind,
+    LayerSpec,
+    ModelCacheSpec,
+    max_blocks_for_layer,
+)
 
 
 def check_blocks(pool: BlockPool, blocks: AgentBlocks) -> None:
@@ -146,7 +156,8 @@ def to_cache(
         if layer.kind is LayerKind.GLOBAL:
             cache: Any = KVCache()
         else:
-            cache = RotatingKVCache(max_size=layer.window, keep=0)
+            assert layer.window is not None
+            cache = MarginRotatingKVCache(layer.window)
             cache._idx = keep - lo
         cache.keys, cache.values, cache.offset = keys, values, keep
         caches.append(cache)
@@ -294,7 +305,15 @@ def plan_cut(
                         f"layer {number}: the cache holds {held} of {c.offset} tokens, "
                         f"expected the last {min(total, layer.window)} of {total}"
                     )
-                first = max(0, total - layer.window) // BLOCK_SIZE
+                # The tokens it overwrote last (the margin) come before them.
+                lo = max(0, total - layer.window - SLIDING_MARGIN)
+                margin = c.margin(lo) if isinstance(c, MarginRotatingKVCache) else None
+                if margin is not None and margin[0] < oldest:
+                    start, before_k, before_v = margin
+                    keys = mx.concatenate([before_k[..., : oldest - start, :], keys], axis=2)
+                    values = mx.concatenate([before_v[..., : oldest - start, :], values], axis=2)
+                    oldest = start
+                first = max(oldest, lo) // BLOCK_SIZE
             shared: dict[int, KVBlock] = {}
             copies = []
             cut.shared.append([])

@@ -13,7 +13,6 @@ import attrs
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import EngineError, InvalidRequestError, MlxActorsError, PoolExhaustedError
 from ._blocks import (
@@ -27,6 +26,7 @@ from ._blocks import (
     plan_cut,
     to_cache,
 )
+from ._margin import make_cache
 from ._pacing import Pacing
 from ._pacing import chunk as fit
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
@@ -782,7 +782,7 @@ class BlockPoolBatchEngine:
         if alone:
             run = Solo(
                 self.model,
-                cache if cache is not None else make_prompt_cache(self.model),
+                cache if cache is not None else make_cache(self.spec),
                 prompt,
                 sampler=seq.sampler,
                 budget=seq.budget,
@@ -802,7 +802,7 @@ class BlockPoolBatchEngine:
         (gen_uid,) = self._generator.insert(
             [prompt],
             max_tokens=[budget],
-            caches=[cache] if cache is not None else None,
+            caches=[cache if cache is not None else make_cache(self.spec)],
             samplers=[seq.sampler] if seq.sampler is not None else None,
         )
         seq.state, seq.gen_uid = "running", gen_uid

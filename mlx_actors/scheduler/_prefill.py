@@ -10,9 +10,10 @@ from typing import Any
 import attrs
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ._blocks import to_cache
+from ._margin import MarginRotatingKVCache, make_cache
 from ._pool import KVBlock, Reservation
 from ._prefix import Source
 from ._spec import BLOCK_SIZE, ModelCacheSpec
@@ -94,9 +95,7 @@ class PrefillJob:
         many were prefilled."""
         if self.cache is None:
             length = self.source.length
-            self.cache = (
-                to_cache(spec, self.source.layers, length) if length else make_prompt_cache(model)
-            )
+            self.cache = to_cache(spec, self.source.layers, length) if length else make_cache(spec)
         n = min(limit, self.next_stop() - self.pos)
         model(mx.array(self.tokens[self.pos : self.pos + n])[None], cache=self.cache)
         mx.eval([c.state for c in self.cache])
@@ -113,7 +112,7 @@ def snapshot(cache: list[Any]) -> list[Any]:
         if isinstance(c, RotatingKVCache):
             keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)
             held = min(int(keys.shape[2]), c.offset, c.max_size)
-            copy: Any = RotatingKVCache(max_size=c.max_size, keep=0)
+            copy: Any = MarginRotatingKVCache(c.max_size)
             copy.keys, copy.values = keys[..., -held:, :], values[..., -held:, :]
             copy._idx = held
         else:

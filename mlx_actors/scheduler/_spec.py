@@ -15,6 +15,9 @@ from ..errors import UnsupportedModelError
 
 #: Tokens per block: the growth step of mlx-lm's ``KVCache``.
 BLOCK_SIZE = 256
+#: Tokens a sliding-window layer keeps before its window at the end of a turn (the
+#: margin: see :mod:`._margin`), so that the turn's last tokens can be rewound.
+SLIDING_MARGIN = 64
 
 
 class LayerKind(enum.Enum):
@@ -133,7 +136,8 @@ def max_blocks_for_layer(layer: LayerSpec, tokens: int) -> int:
     """An upper bound of :func:`blocks_for_layer` over all histories up to ``tokens``."""
     if layer.kind is LayerKind.GLOBAL or layer.window is None:
         return math.ceil(tokens / BLOCK_SIZE)
-    return min(math.ceil(tokens / BLOCK_SIZE), math.ceil(layer.window / BLOCK_SIZE) + 1)
+    span = layer.window + SLIDING_MARGIN
+    return min(math.ceil(tokens / BLOCK_SIZE), math.ceil(span / BLOCK_SIZE) + 1)
 
 
 def _check_cache_type(index: int, cache: Any) -> None:
