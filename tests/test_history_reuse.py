@@ -326,11 +326,13 @@ STOPS = ("e", "o")
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("window", [160, 16])  # turns shorter than it; longer
 @pytest.mark.parametrize("case", ["stop", "trim", "concurrent"])
 async def test_dialogues_reuse_every_matching_token_and_equal_mlx_lm(
-    case: str, anyio_backend: str, tmp_path: Path
+    case: str, window: int, anyio_backend: str, tmp_path: Path
 ) -> None:
-    model = gemma(tmp_path / case, window=160, template=TRIM_TEMPLATE if case == "trim" else None)
+    template = TRIM_TEMPLATE if case == "trim" else None
+    model = gemma(tmp_path / case, window=window, template=template)
     stop = STOPS if case != "trim" else None
     rounds, words = 10, 24
     async with Runtime(model.path, pool_blocks=400, log_level="off") as rt:
