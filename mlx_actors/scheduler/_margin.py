@@ -9,10 +9,11 @@ rendering of a conversation differs from the cache near its end (a stop string c
 the reply's text, a template that trims, a reply that re-encodes differently), those few
 tokens decide whether the turn costs the tokens that differ or the whole last turn.
 
-The caches here are mlx-lm's, with one addition: just before the ring overwrites (or
-trims) tokens that were not kept yet, they copy the next :data:`CHUNK` oldest ones
-aside, and keep the last few such copies (at least :data:`~._spec.SLIDING_MARGIN`
-tokens before the window). Nothing else changes: the ring, its masks and what the model
+The caches here are mlx-lm's, with one addition: just before a decoding step's update
+overwrites tokens that were not kept yet, they copy the next :data:`CHUNK` oldest ones
+aside (a prefill's trim is not copied: the margin then stops at the gap it leaves),
+and keep the last few such copies (at least :data:`~._spec.SLIDING_MARGIN` tokens
+before the window). Nothing else changes: the ring, its masks and what the model
 computes are mlx-lm's own, so outputs stay token-identical. The batch form keeps the
 copies per row through ``merge``, ``extend``, ``filter`` and ``extract``, the way
 ``BatchGenerator`` moves sequences in and out; the copies' positions are worked out from
@@ -21,8 +22,8 @@ the device. When the sequence's cache is cut into blocks, the sliding layers kee
 margin with their window (:func:`~._blocks.plan_cut`), so the prefix index can serve any
 position in it.
 
-Cost: one copy of :data:`CHUNK` tokens per sliding layer every :data:`CHUNK` decoded
-tokens, and in the pool up to ``SLIDING_MARGIN`` more tokens per sliding layer (at most
+Cost: one copy of :data:`CHUNK` tokens per sliding layer (and row) every :data:`CHUNK`
+decoded tokens, and in the pool up to ``SLIDING_MARGIN`` more tokens per sliding layer (at most
 one block more, and none when the window's first block already reaches that far back).
 The subclasses read mlx-lm 0.32's ring bookkeeping (``_idx``, ``rotated``, ``_offset``,
 ``left_padding``), which is why ``pyproject.toml`` keeps mlx-lm below 0.33.
@@ -86,13 +87,16 @@ def _held(cache: Any) -> int:
     return int(cache._idx)
 
 
-def _copy_oldest(cache: Any, first: int, n: int) -> tuple[mx.array, mx.array]:
-    """A copy of the ring's tokens ``first`` to ``first + n`` in temporal order."""
+def _copy_oldest(cache: Any, first: int, n: int, row: int | None = None) -> list[mx.array]:
+    """A copy of the ring's tokens ``first`` to ``first + n`` in temporal order (of one
+    ``row`` of a batch, in a buffer of its own): ``[keys, values]``, not evaluated."""
     length = int(cache.keys.shape[2])
     full = _held(cache) == length
     start = (cache._idx % length if full else 0) + first
     parts = []
     for array in (cache.keys, cache.values):
+        if row is not None:
+            array = array[row : row + 1]
         a = start % length
         b = a + n
         if b <= length:
@@ -100,8 +104,7 @@ def _copy_oldest(cache: Any, first: int, n: int) -> tuple[mx.array, mx.array]:
         else:
             piece = mx.concatenate([array[..., a:, :], array[..., : b - length, :]], axis=2)
         parts.append(mx.contiguous(piece))
-    mx.async_eval(parts)  # type: ignore[no-untyped-call]
-    return parts[0], parts[1]
+    return parts
 
 
 def _plan_copy(cache: Any, uncopied: int | None) -> tuple[int, int] | None:
@@ -144,6 +147,7 @@ class MarginRotatingKVCache(RotatingKVCache):  # type: ignore[misc]
             if plan is not None:
                 first, end = plan
                 k, v = _copy_oldest(self, first, end - first)
+                mx.async_eval(k, v)  # type: ignore[no-untyped-call]
                 held = _held(self)
                 self.dropped = _keep(self.dropped, Dropped(k, v, self.offset - held + first))
                 self.uncopied = held - end
@@ -234,37 +238,52 @@ class MarginBatchRotatingKVCache(BatchRotatingKVCache):  # type: ignore[misc]
         return out
 
     def _copy_aside(self, held: int) -> None:
-        plans = [_plan_copy(self, u) for u in self.uncopied]
-        wanted = [p for p in plans if p is not None]
-        first = min(p[0] for p in wanted)
-        end = max(p[1] for p in wanted)
-        k, v = _copy_oldest(self, first, end - first)
         # Row r's copy begins at its position offset[r] - held + its first, unless that
         # is padding (the ring's first left_padding[r] tokens of the row are); both are
         # read when the row leaves. (New arrays: mlx-lm updates left_padding in place.)
         offsets, pads = self.offset + 0, self.left_padding + 0
         uncopied = self.uncopied
-        for row, plan in enumerate(plans):
+        copies: list[mx.array] = []
+        for row, u in enumerate(uncopied):
+            plan = _plan_copy(self, u)
             if plan is None:
                 continue
-            a = plan[0] - first
-            kept = Dropped(
-                k[row : row + 1, :, a:, :],
-                v[row : row + 1, :, a:, :],
-                plan[0] - held,
-                offsets,
-                pads,
-                row,
-                plan[0],
-            )
+            first, end = plan
+            # A buffer per row: rows copy at different steps, and a view of a batch-wide
+            # copy would keep all of it alive for as long as the row keeps its part.
+            k, v = _copy_oldest(self, first, end - first, row)
+            copies += (k, v)
+            kept = Dropped(k, v, first - held, offsets, pads, row, first)
             self.rows[row] = _keep(self.rows[row], kept)
             uncopied[row] = held - end
+        mx.async_eval(copies)  # type: ignore[no-untyped-call]
         self._set_uncopied(uncopied)
 
     def _update_concat(self, keys: mx.array, values: mx.array) -> Any:
+        if self._lengths is not None and self.keys is not None:
+            self._unpad()
         out = super()._update_concat(keys, values)
         self._written += int(keys.shape[2])
         return out
+
+    def finalize(self) -> None:
+        if self._lengths is not None:
+            self._unpad()
+        super().finalize()
+
+    def _unpad(self) -> None:
+        """Before mlx-lm rolls right-padded rows (adding the roll to ``left_padding``):
+        a row whose ring a prefill trimmed beyond its padding has ``left_padding`` below
+        zero, which would then undercount the padding slots the roll brings to the
+        front, and those would be copied aside as tokens. None of the row's slots is
+        padding by then, so count zero. (What the model computes does not change: the
+        mask already hides the rolled-in slots.)"""
+        self.left_padding = mx.maximum(self.left_padding, 0)  # type: ignore[has-type]
+
+    @property
+    def nbytes(self) -> int:
+        kept = sum(int(d.keys.nbytes) + int(d.values.nbytes) for row in self.rows for d in row)
+        return int(super().nbytes) + kept
 
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> MarginBatchRotatingKVCache:

@@ -82,7 +82,8 @@ class ModelCacheSpec:
         return sum(layer.kind is LayerKind.SLIDING for layer in self.layers)
 
     def blocks_held(self, tokens: int) -> int:
-        """Blocks, summed over layers, that a cache of ``tokens`` tokens holds at most."""
+        """Blocks, summed over layers, that a cache of ``tokens`` tokens reads (its
+        windows, not the margins: see :func:`max_blocks_for_layer`)."""
         return sum(blocks_for_layer(layer, tokens) for layer in self.layers)
 
     @classmethod
@@ -117,11 +118,13 @@ class ModelCacheSpec:
 
 
 def blocks_for_layer(layer: LayerSpec, tokens: int) -> int:
-    """Blocks one layer holds for a history of ``tokens`` tokens.
+    """Blocks one layer reads for a history of ``tokens`` tokens.
 
     Blocks are aligned on absolute positions (block ``i`` holds positions
-    ``[256 i, 256 i + 256)``). A sliding layer keeps every block that overlaps
-    its window, so at most ``ceil(window / 256) + 1`` of them.
+    ``[256 i, 256 i + 256)``). A sliding layer reads every block that overlaps
+    its window, so at most ``ceil(window / 256) + 1`` of them; the blocks cut from
+    a cache that decoded past its window may hold up to ``SLIDING_MARGIN`` tokens
+    more (:func:`max_blocks_for_layer` counts them).
     """
     if tokens <= 0:
         return 0
@@ -133,7 +136,8 @@ def blocks_for_layer(layer: LayerSpec, tokens: int) -> int:
 
 
 def max_blocks_for_layer(layer: LayerSpec, tokens: int) -> int:
-    """An upper bound of :func:`blocks_for_layer` over all histories up to ``tokens``."""
+    """Most blocks one layer holds for any history up to ``tokens`` tokens: a sliding
+    layer's window with its margin, ``ceil((window + SLIDING_MARGIN) / 256) + 1``."""
     if layer.kind is LayerKind.GLOBAL or layer.window is None:
         return math.ceil(tokens / BLOCK_SIZE)
     span = layer.window + SLIDING_MARGIN
