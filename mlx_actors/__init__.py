@@ -13,6 +13,7 @@ from .actors import Agent as Agent
 from .actors import AgentStatistics as AgentStatistics
 from .actors import Message as Message
 from .actors import Reply as Reply
+from .actors import TurnSettings as TurnSettings
 from .actors import TurnStream as TurnStream
 from .runtime import Runtime as Runtime
 from .runtime import RuntimeStatistics as RuntimeStatistics

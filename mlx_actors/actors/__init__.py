@@ -9,6 +9,7 @@ from ._agent import Agent as Agent
 from ._agent import AgentStatistics as AgentStatistics
 from ._agent import Keeper as Keeper
 from ._agent import TurnOptions as TurnOptions
+from ._agent import TurnSettings as TurnSettings
 from ._agent import check_name as check_name
 from ._agent import check_text as check_text
 from ._reply import Message as Message

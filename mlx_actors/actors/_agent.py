@@ -6,13 +6,14 @@ import contextlib
 import math
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import anyio
 import attrs
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from typing_extensions import TypedDict, Unpack
 
 from ..errors import (
     AgentClosedError,
@@ -43,29 +44,73 @@ def check_name(name: object) -> str:
     return name
 
 
+class TurnSettings(TypedDict, total=False):
+    """Generation settings a turn takes (``spawn`` sets an agent's defaults; ``ask``,
+    ``stream`` and ``fork`` override them; ``None`` keeps the default). The defaults
+    give greedy decoding: mlx-lm's most likely token at every step."""
+
+    #: Most tokens to generate (default 256).
+    max_tokens: int
+    #: 0 (the default) is greedy; higher flattens the choice.
+    temperature: float
+    #: With a temperature: nucleus sampling (1: off), the ``top_k`` most likely tokens
+    #: only (0: off), tokens at least ``min_p`` times as likely as the best only (0: off).
+    top_p: float
+    top_k: int
+    min_p: float
+    #: Penalties on the ids of the last ``repetition_context_size`` tokens of the
+    #: conversation (default 20): multiplicative (1: off), and subtracted once per
+    #: id or once per use (0: off). These change greedy replies too.
+    repetition_penalty: float
+    repetition_context_size: int
+    presence_penalty: float
+    frequency_penalty: float
+    #: Added to the logits of these token ids.
+    logit_bias: Mapping[int, float]
+    #: Record each generated token's log-probability (``Reply.logprobs``), and the
+    #: ``top_logprobs`` most likely tokens' at each step (``Reply.top_logprobs``).
+    logprobs: bool
+    top_logprobs: int
+    #: Seed of the turn's random stream (each of the agent's turns then gets its own).
+    seed: int | None
+    #: Strings that end the reply (not part of it).
+    stop: str | Sequence[str]
+
+
 @attrs.frozen(kw_only=True)
-class TurnOptions:
-    """Generation settings of one turn (an agent's defaults, overridden per ask)."""
+class TurnOptions(Sampling):
+    """Generation settings of one turn (an agent's defaults, overridden per ask): the
+    fields of :class:`TurnSettings`, the engine's :class:`Sampling` and these."""
 
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
     stop: tuple[str, ...] = ()
 
     def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
         n = self.max_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise InvalidRequestError(f"max_tokens must be an int > 0, got {n!r}")
         if not isinstance(self.stop, tuple) or check_stops(self.stop) != self.stop:
             raise InvalidRequestError(f"stop must be a tuple of strings, got {self.stop!r}")
-        Sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+    def sampling(self, seed: int | None) -> Sampling:
+        """The engine's sampling settings for a turn with ``seed``."""
+        fields = {a.name: getattr(self, a.name) for a in attrs.fields(Sampling)}
+        return Sampling(**{**fields, "seed": seed})
 
     def override(self, **changes: Any) -> TurnOptions:
+        unknown = sorted(set(changes) - _SETTINGS)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown settings {unknown}; a turn takes {sorted(_SETTINGS)}"
+            )
         changes = {k: v for k, v in changes.items() if v is not None}
         if "stop" in changes:
             changes["stop"] = check_stops(changes["stop"])
         return attrs.evolve(self, **changes) if changes else self
+
+
+_SETTINGS = frozenset(TurnSettings.__annotations__)
 
 
 @attrs.frozen(kw_only=True)
@@ -292,16 +337,13 @@ class Agent:
         self,
         text: str,
         *,
-        max_tokens: int | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 (also cancels the turn; see below)
-        temperature: float | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
+        **settings: Unpack[TurnSettings],
     ) -> Reply:
         """Send ``text`` as the next user message and wait for the reply.
 
-        Keyword arguments override the agent's defaults for this turn. ``timeout``
+        ``settings`` (:class:`TurnSettings`: ``max_tokens``, ``temperature``, ``stop``,
+        ``logprobs``...) override the agent's defaults for this turn. ``timeout``
         (seconds) covers waiting in the mailbox too; on timeout the turn is cancelled,
         the agent is left as before it, and :class:`TurnTimeoutError` is raised.
         Cancelling the caller cancels the turn the same way.
@@ -315,7 +357,7 @@ class Agent:
             StateWriteError: the turn could not be saved to the state directory (it
                 was undone).
         """
-        envelope = self._envelope(text, max_tokens, timeout, temperature, top_p, seed, stop)
+        envelope = self._envelope(text, timeout, settings)
         await envelope.send()
         reply = await envelope.outcome()
         assert reply is not None
@@ -325,12 +367,8 @@ class Agent:
         self,
         text: str,
         *,
-        max_tokens: int | None = None,
         timeout: float | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
+        **settings: Unpack[TurnSettings],
     ) -> TurnStream:
         """Like :meth:`ask`, but gives the reply's text as it is generated::
 
@@ -339,7 +377,7 @@ class Agent:
                 print(piece, end="")
         reply = pieces.reply
         """
-        envelope = self._envelope(text, max_tokens, timeout, temperature, top_p, seed, stop)
+        envelope = self._envelope(text, timeout, settings)
         envelope.push, envelope.pieces = anyio.create_memory_object_stream[str](math.inf)
         return TurnStream(envelope)
 
@@ -355,20 +393,16 @@ class Agent:
         self,
         name: str,
         *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
         mailbox_size: int | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 (like ask's: covers the mailbox)
+        **settings: Unpack[TurnSettings],
     ) -> Agent:
         """A new agent called ``name`` with this agent's system prompt, conversation and
         KV cache, after the turns already in the mailbox. The cache is shared by
         reference: nothing is copied or prefilled, and both agents then go their own way
         (a turn of either never changes what the other reads).
 
-        Keyword arguments override this agent's defaults for the new one. This agent is
+        ``settings`` override this agent's defaults for the new one. This agent is
         not changed. A fork is the way to branch: several critics of one draft, what-if
         continuations, a search over replies.
 
@@ -384,9 +418,7 @@ class Agent:
             isinstance(mailbox_size, bool) or not isinstance(mailbox_size, int) or mailbox_size <= 0
         ):
             raise InvalidRequestError(f"mailbox_size must be a positive int, got {mailbox_size!r}")
-        envelope = self._envelope(
-            name, max_tokens, timeout, temperature, top_p, seed, stop, kind="fork"
-        )
+        envelope = self._envelope(name, timeout, settings, kind="fork")
         envelope.mailbox_size = mailbox_size
         await envelope.send()
         await envelope.outcome()
@@ -421,12 +453,8 @@ class Agent:
     def _envelope(
         self,
         text: object,
-        max_tokens: int | None,
         timeout: float | None,
-        temperature: float | None,
-        top_p: float | None,
-        seed: int | None,
-        stop: str | Sequence[str] | None,
+        settings: Mapping[str, Any],
         kind: Literal["ask", "fork"] = "ask",
     ) -> Envelope:
         if self._closing is not None:
@@ -439,9 +467,7 @@ class Agent:
             or not 0 < timeout < math.inf
         ):
             raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-        options = self.options.override(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop
-        )
+        options = self.options.override(**settings)
         return Envelope(agent=self, kind=kind, text=text, options=options, timeout=timeout)
 
     def _check_loop(self) -> None:
@@ -534,7 +560,7 @@ class Agent:
             agent=self.name,
             tokens=tokens,
             max_tokens=options.max_tokens,
-            sampling=Sampling(temperature=options.temperature, top_p=options.top_p, seed=seed),
+            sampling=options.sampling(seed),
             stop=options.stop,
             on_text=_pusher(envelope.push) if envelope.push is not None else None,
         )
@@ -568,6 +594,8 @@ class Agent:
             text=result.text,
             tokens=result.tokens,
             finish_reason=result.finish_reason,
+            logprobs=result.logprobs,
+            top_logprobs=result.top_logprobs,
             usage=result.usage,
             ttft_s=result.submitted_at + result.ttft_s - started,
             total_s=time.perf_counter() - started,

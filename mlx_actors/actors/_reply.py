@@ -44,6 +44,11 @@ class Reply:
     ttft_s: float
     #: Seconds from the agent taking up the turn to the reply.
     total_s: float
+    #: With ``logprobs=True`` (or ``top_logprobs``): each token's log-probability.
+    logprobs: tuple[float, ...] | None = None
+    #: With ``top_logprobs=n``: at each step, the ``n`` most likely tokens as
+    #: ``(token, logprob)`` pairs, most likely first.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
     def __str__(self) -> str:
         return self.text

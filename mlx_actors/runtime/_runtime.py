@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
@@ -13,8 +13,9 @@ from typing import Any
 import anyio
 import attrs
 from anyio.abc import TaskGroup
+from typing_extensions import Unpack
 
-from ..actors import Agent, Message, TurnOptions, check_name, check_text
+from ..actors import Agent, Message, TurnOptions, TurnSettings, check_name, check_text
 from ..errors import (
     AgentClosedError,
     CorruptStateError,
@@ -431,12 +432,8 @@ class Runtime:
         name: str,
         *,
         system: str | None = None,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
         mailbox_size: int | None = None,
+        **settings: Unpack[TurnSettings],
     ) -> Agent:
         """Start an agent.
 
@@ -444,9 +441,10 @@ class Runtime:
             name: unique, and a plain identifier (it names files): a letter, then
                 letters, digits, ``_`` or ``-``.
             system: the system prompt.
-            max_tokens, temperature, top_p, seed, stop: the agent's defaults for its
-                turns; each ``ask`` can override them. ``temperature=0`` is greedy.
             mailbox_size: this agent's mailbox size (default: the runtime's).
+            settings: the agent's defaults for its turns (:class:`TurnSettings`:
+                ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``...);
+                each ``ask`` can override them. The defaults decode greedily.
         """
         self._check_running()
         check_name(name)
@@ -456,9 +454,7 @@ class Runtime:
             isinstance(mailbox_size, bool) or not isinstance(mailbox_size, int) or mailbox_size <= 0
         ):
             raise InvalidRequestError(f"mailbox_size must be a positive int, got {mailbox_size!r}")
-        options = TurnOptions(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
-        ).override(stop=stop)
+        options = TurnOptions().override(**settings)
         await self._name_free(name)
         self.check_new_name(name)
         agent = await self._start_agent(

@@ -39,6 +39,8 @@ PERSIST_MODES = ("turn", "exit")
 #: The format of agent records and ``runtime.json`` (1 had no checksum; still read).
 FORMAT = 2
 _OPTIONS = {a.name for a in attrs.fields(TurnOptions)}
+#: The options every record has (those added later take their defaults).
+_FIRST_OPTIONS = {"max_tokens", "temperature", "top_p", "seed", "stop"}
 
 
 @attrs.frozen(kw_only=True)
@@ -52,7 +54,11 @@ class AgentRecord:
     turns: int
 
     def to_json(self) -> dict[str, Any]:
-        options = {**attrs.asdict(self.options), "stop": list(self.options.stop)}
+        options = {
+            **attrs.asdict(self.options),
+            "stop": list(self.options.stop),
+            "logit_bias": [list(pair) for pair in self.options.logit_bias],
+        }
         record = {**attrs.asdict(self, recurse=False), "options": options}
         return with_digest({"format": FORMAT, **record})
 
@@ -74,7 +80,7 @@ class AgentRecord:
             if path.stem != name:
                 raise ValueError(f"it names the agent {name!r}")
             options = dict(data["options"])
-            if set(options) != _OPTIONS:
+            if not _FIRST_OPTIONS <= set(options) <= _OPTIONS:
                 raise ValueError(f"its options are {sorted(options)}, not {sorted(_OPTIONS)}")
             stop = options["stop"]
             if not isinstance(stop, list):

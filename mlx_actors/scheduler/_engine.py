@@ -37,6 +37,7 @@ from ._records import (
     CompletedGeneration,
     EngineStatistics,
     FinishReason,
+    LogitsProcessor,
     Sampler,
     Sampling,
     StepInfo,
@@ -65,6 +66,12 @@ class _Sequence:
     anchors: tuple[int, ...]
     budget: int
     sampler: Sampler | None
+    #: Logits processors (penalties, a bias, a constraint); they read the whole
+    #: sequence's tokens, history included.
+    processors: list[LogitsProcessor]
+    #: Record each token's log-probability (``logprobs``), and the ``top`` most likely.
+    logprobs: list[float] | None
+    top: int
     text: TextStream
     on_token: Callable[[TokenEvent], None] | None
     submitted: float
@@ -92,6 +99,7 @@ class _Sequence:
     checkpoint: tuple[tuple[Piece, ...], ...] | None = None
     #: References to the checkpoint's blocks, when a prefill job of another made them.
     kept_blocks: list[KVBlock] = attrs.Factory(list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = attrs.Factory(list)
 
 
 class BlockPoolBatchEngine:
@@ -234,6 +242,7 @@ class BlockPoolBatchEngine:
         stop: Sequence[str] = (),
         on_token: Callable[[TokenEvent], None] | None = None,
         namespace: Hashable = _AUTO,
+        processors: Sequence[LogitsProcessor] = (),
     ) -> int:
         """Queue a sequence; it joins the batch at the next :meth:`step` (or waits there
         for a shared prefix another sequence is prefilling).
@@ -246,12 +255,16 @@ class BlockPoolBatchEngine:
             trim: drop this many tokens from the end of ``cache`` first (when the
                 history was rewritten). The cache itself is not changed.
             max_tokens: most tokens to generate; fewer if the model's context ends.
-            sampling: temperature, top-p and seed; greedy by default.
+            sampling: how tokens are chosen (greedy by default), and whether their
+                log-probabilities are recorded.
             stop: strings that end the generation; the match is not part of the text.
             on_token: called on this thread with each :class:`TokenEvent`.
             namespace: which blocks the sequence may reuse and share: those of its
                 namespace only (default: every sequence's with ``share_prefixes``,
                 else the agent's own).
+            processors: more logits processors (after ``sampling``'s), as mlx-lm's
+                ``generate_step`` takes them: called with the sequence's tokens so far
+                (history, prompt and generated) and the next token's logits.
 
         Returns:
             The sequence's uid.
@@ -266,6 +279,12 @@ class BlockPoolBatchEngine:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be an int > 0, got {max_tokens!r}")
         sampling = sampling if sampling is not None else Sampling()
+        bad_bias = [t for t, _ in sampling.logit_bias if t >= self._vocab_size]
+        if bad_bias:
+            raise InvalidRequestError(
+                f"logit_bias names token ids {bad_bias[:5]} outside the vocabulary "
+                f"[0, {self._vocab_size})"
+            )
         stops = check_stops(stop)
         if cache is not None:
             check_blocks(self.pool, cache)
@@ -304,6 +323,9 @@ class BlockPoolBatchEngine:
             anchors=anchors,
             budget=budget,
             sampler=sampling.make_sampler(),
+            processors=[*sampling.make_processors(), *processors],
+            logprobs=[] if sampling.logprobs or sampling.top_logprobs else None,
+            top=sampling.top_logprobs,
             text=TextStream(self.tokenizer.detokenizer, stops),
             on_token=on_token,
             submitted=time.perf_counter(),
@@ -572,7 +594,7 @@ class BlockPoolBatchEngine:
         stopped: list[_Sequence] = []
         for r in responses:
             seq = self._running[r.uid]
-            reason = self._emit(seq, r.token, r.finish_reason, now)
+            reason = self._emit(seq, r.token, r.finish_reason, now, r.logprobs)
             if r.finish_reason is not None:
                 finished.append(self._finish(seq, r.prompt_cache, reason or r.finish_reason))
             elif reason is not None:
@@ -584,7 +606,7 @@ class BlockPoolBatchEngine:
         if solo is not None:
             seq, run, token, why = solo
             self._solo_tokens += 1
-            reason = self._emit(seq, token, why, now)
+            reason = self._emit(seq, token, why, now, run.logprobs)
             if reason is not None:
                 self._solo = None
                 finished.append(self._finish(seq, run.settle(), reason))
@@ -618,13 +640,21 @@ class BlockPoolBatchEngine:
         return self._generator.next()  # type: ignore[no-any-return]
 
     def _emit(
-        self, seq: _Sequence, token: int, reason: str | None, now: float
+        self,
+        seq: _Sequence,
+        token: int,
+        reason: str | None,
+        now: float,
+        logprobs: mx.array | None = None,
     ) -> FinishReason | None:
-        """Take a token ``seq`` generated (``reason``: why the generator ends it there);
-        stream its text. Returns why the sequence ends here (a stop string counts), if
-        it does."""
+        """Take a token ``seq`` generated (``reason``: why the generator ends it there;
+        ``logprobs``: the distribution it was chosen from); stream its text. Returns
+        why the sequence ends here (a stop string counts), if it does."""
         self._decoded += 1
         seq.generated.append(token)
+        logprob = None
+        if seq.logprobs is not None and logprobs is not None:
+            logprob = _record_logprobs(seq, token, logprobs.reshape(-1))
         if seq.first_token is None:
             seq.first_token = now
         finish: FinishReason | None = reason  # type: ignore[assignment]
@@ -634,7 +664,7 @@ class BlockPoolBatchEngine:
         if finish is not None:
             piece += seq.text.finish()
         if seq.on_token is not None:
-            seq.on_token(TokenEvent(uid=seq.uid, token=token, text=piece))
+            seq.on_token(TokenEvent(uid=seq.uid, token=token, text=piece, logprob=logprob))
         return finish
 
     def _run_jobs(self) -> tuple[int, int]:
@@ -788,6 +818,8 @@ class BlockPoolBatchEngine:
                 budget=seq.budget,
                 eos=self._eos,
                 stream=self._generator.stream,
+                processors=seq.processors,
+                context=seq.tokens[:-1],
             )
             seq.state, self._solo = "solo", (seq, run)
             return
@@ -799,11 +831,17 @@ class BlockPoolBatchEngine:
         self, seq: _Sequence, prompt: list[int], cache: list[Any] | None, budget: int
     ) -> None:
         seq.prompting = len(prompt) > 1
+        context = None
+        if seq.processors:  # they read the whole sequence: the tokens before the prompt too
+            done = [*seq.tokens, *seq.generated]
+            context = [done[: len(done) - len(prompt)]]
         (gen_uid,) = self._generator.insert(
             [prompt],
             max_tokens=[budget],
             caches=[cache if cache is not None else make_cache(self.spec)],
+            all_tokens=context,
             samplers=[seq.sampler] if seq.sampler is not None else None,
+            logits_processors=[seq.processors] if seq.processors else None,
         )
         seq.state, seq.gen_uid = "running", gen_uid
         self._running[gen_uid] = seq
@@ -818,7 +856,7 @@ class BlockPoolBatchEngine:
             return
         token, ended = run.next(go_on=False)
         self._solo_tokens += 1
-        reason = self._emit(seq, token, ended, time.perf_counter())
+        reason = self._emit(seq, token, ended, time.perf_counter(), run.logprobs)
         if reason is not None:
             self._done.append(self._finish(seq, run.settle(), reason))
         else:
@@ -871,6 +909,8 @@ class BlockPoolBatchEngine:
             agent_id=seq.agent_id,
             tokens=tuple(seq.generated),
             text=seq.text.text,
+            logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
+            top_logprobs=tuple(seq.top_logprobs) if seq.top else None,
             finish_reason=reason,
             blocks=blocks,
             usage=Usage(
@@ -967,6 +1007,22 @@ class BlockPoolBatchEngine:
         """Cancel everything in flight and release the generator."""
         self._reset()
         self._generator.close()
+
+
+def _record_logprobs(seq: _Sequence, token: int, row: mx.array) -> float:
+    """Append ``token``'s log-probability in ``row`` (and the most likely tokens',
+    if asked) to ``seq``'s; returns the token's."""
+    assert seq.logprobs is not None
+    chosen = row[token]
+    if seq.top:
+        ids = mx.argpartition(-row, seq.top - 1)[: seq.top]
+        values = row[ids]
+        mx.eval(chosen, ids, values)
+        pairs = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]  # type: ignore[arg-type]
+        seq.top_logprobs.append(tuple(sorted(pairs, key=lambda p: (-p[1], p[0]))))
+    logprob: float = chosen.item()  # type: ignore[assignment]
+    seq.logprobs.append(logprob)
+    return logprob
 
 
 def _vocab_size(model: Module, tokenizer: Any) -> int:

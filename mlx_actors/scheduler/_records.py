@@ -3,13 +3,14 @@ sequence starts, streamed tokens, finished generations and statistics."""
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import attrs
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from ..errors import InvalidRequestError
 from ._pool import AgentBlocks
@@ -21,6 +22,8 @@ SEEDS = 1 << 64
 #: looked for after every token, on the engine thread that serves every sequence.
 MAX_STOPS, MAX_STOP_CHARS = 64, 1000
 Sampler = Callable[[mx.array], mx.array]
+#: mlx-lm's: ``processor(tokens, logits) -> logits``, ``tokens`` the sequence so far.
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
 def check_stops(stop: object) -> tuple[str, ...]:
@@ -39,14 +42,70 @@ def check_stops(stop: object) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _bias(value: object) -> tuple[tuple[int, float], ...]:
+    """A logit bias (a mapping of token ids to numbers, or pairs) as sorted pairs."""
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(k, v) for k, v in items]  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise InvalidRequestError(
+            f"logit_bias must map token ids to numbers, got {value!r}"
+        ) from None
+    for token, bias in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids (ints >= 0), got {token!r}"
+            )
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise InvalidRequestError(f"logit_bias values must be finite numbers, got {bias!r}")
+    return tuple(sorted((int(t), float(b)) for t, b in dict(pairs).items()))
+
+
+def _number(name: str, value: object, low: float, high: float = math.inf) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not low <= value <= high
+        or math.isnan(value)
+    ):
+        raise InvalidRequestError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+
+
+def _count(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidRequestError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+
+
+#: Most alternatives ``top_logprobs`` may ask for per token.
+MAX_TOP_LOGPROBS = 20
+
+
 @attrs.frozen(kw_only=True)
 class Sampling:
-    """How the next token is chosen."""
+    """How the next token is chosen: mlx-lm's samplers and logits processors
+    (``mlx_lm.sample_utils``), with a random stream of the sequence's own."""
 
     #: 0 picks the most likely token (greedy, the default); higher flattens the choice.
     temperature: float = 0.0
     #: Nucleus sampling: keep the most likely tokens whose mass reaches ``top_p``.
     top_p: float = 1.0
+    #: Keep only the ``top_k`` most likely tokens (0: all).
+    top_k: int = 0
+    #: Keep only tokens at least ``min_p`` times as likely as the most likely (0: all).
+    min_p: float = 0.0
+    #: Divide the logits of the last ``repetition_context_size`` tokens' ids by this
+    #: (multiply if negative; 1: off). The context is the whole conversation's tokens.
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+    #: Subtract from the logits of ids among those tokens (once, or once per use).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: Added to the logits of these token ids: ``((token, bias), ...)`` (or a mapping).
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_bias)
+    #: Record the log-probability of each generated token.
+    logprobs: bool = False
+    #: And of the ``top_logprobs`` most likely tokens at each step (0: none).
+    top_logprobs: int = 0
     #: Seed of this sequence's own random stream; ``None`` picks one at random.
     seed: int | None = None
 
@@ -56,6 +115,15 @@ class Sampling:
             raise InvalidRequestError(f"temperature must be a number >= 0, got {t!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {p!r}")
+        _count("top_k", self.top_k, 0, 1 << 31)
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _number("repetition_penalty", self.repetition_penalty, 1e-6, 1e6)
+        _count("repetition_context_size", self.repetition_context_size, 1, 1 << 20)
+        _number("presence_penalty", self.presence_penalty, -1e6, 1e6)
+        _number("frequency_penalty", self.frequency_penalty, -1e6, 1e6)
+        if not isinstance(self.logprobs, bool):
+            raise InvalidRequestError(f"logprobs must be True or False, got {self.logprobs!r}")
+        _count("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         seed = self.seed
         if seed is not None and (
             isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEEDS
@@ -63,20 +131,43 @@ class Sampling:
             raise InvalidRequestError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
 
     def make_sampler(self) -> Sampler | None:
-        """A sampler with its own random key, or ``None`` for greedy decoding."""
+        """A sampler with its own random key, or ``None`` for greedy decoding. The
+        filters are mlx-lm's, in ``make_sampler``'s order (top-p, min-p, top-k)."""
         if self.temperature == 0:
             return None
         seed = self.seed if self.seed is not None else random.getrandbits(63)
         key = [mx.random.key(seed)]
-        inv_temp, top_p = 1.0 / self.temperature, self.top_p
+        inv_temp = 1.0 / self.temperature
+        top_p, min_p, top_k = self.top_p, self.min_p, self.top_k
+        # mlx-lm's apply_top_k refuses a k as large as the vocabulary: keep all then.
 
         def sample(logprobs: mx.array) -> mx.array:
             key[0], sub = mx.random.split(key[0])
             if top_p < 1.0:
                 logprobs = apply_top_p(logprobs, top_p)
+            if min_p > 0.0:
+                logprobs = apply_min_p(logprobs, min_p)
+            if 0 < top_k < logprobs.shape[-1]:
+                logprobs = apply_top_k(logprobs, top_k)
             return mx.random.categorical(logprobs * inv_temp, key=sub)
 
         return sample
+
+    def make_processors(self) -> list[LogitsProcessor]:
+        """mlx-lm's logits processors for the penalties and the bias (none if off)."""
+        return list(
+            make_logits_processors(
+                logit_bias=dict(self.logit_bias) or None,
+                repetition_penalty=(
+                    self.repetition_penalty if self.repetition_penalty != 1.0 else None
+                ),
+                repetition_context_size=self.repetition_context_size,
+                presence_penalty=self.presence_penalty or None,
+                presence_context_size=self.repetition_context_size,
+                frequency_penalty=self.frequency_penalty or None,
+                frequency_context_size=self.repetition_context_size,
+            )
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -126,6 +217,8 @@ class TokenEvent:
     token: int
     #: Text that became printable with this token (may be empty; never half a character).
     text: str
+    #: Its log-probability, when the sequence records them (``Sampling.logprobs``).
+    logprob: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -139,6 +232,12 @@ class CompletedGeneration:
     #: The generated text, without the end-of-sequence token or a matched stop string.
     text: str
     finish_reason: FinishReason
+    #: Each generated token's log-probability (with ``Sampling.logprobs`` or
+    #: ``top_logprobs``), and the most likely tokens' at each step (``top_logprobs``):
+    #: ``(token, logprob)`` pairs, most likely first. After the logits processors,
+    #: before temperature and the sampler's filters (as mlx-lm reports them).
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     #: The whole history's cache (earlier turns, prompt, reply). The caller owns it.
     blocks: AgentBlocks
     usage: Usage

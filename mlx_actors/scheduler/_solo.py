@@ -20,10 +20,11 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
+from mlx_lm.models.cache import TokenBuffer
 from mlx_lm.sample_utils import greedy_sampler
 
 from ._pacing import chunk as fit
-from ._records import Sampler
+from ._records import LogitsProcessor, Sampler
 
 #: Most prompt tokens run through the model in one call (mlx-lm's own prefill chunk).
 CHUNK = 2048
@@ -41,6 +42,11 @@ class Solo:
         budget: most tokens to generate.
         eos: the tokens that end the sequence.
         stream: the MLX stream to run on (the generator's).
+        processors: the sequence's logits processors, called as ``generate_step``
+            calls them: with every token so far (``context``, the tokens before the
+            prompt's last, then each token run).
+        context: the sequence's tokens before the prompt's last (read only with
+            ``processors``).
     """
 
     def __init__(
@@ -53,15 +59,21 @@ class Solo:
         budget: int,
         eos: frozenset[int],
         stream: Any,
+        processors: Sequence[LogitsProcessor] = (),
+        context: Sequence[int] = (),
     ) -> None:
         self.model, self.cache, self.prompt = model, cache, prompt
         self.sampler = sampler if sampler is not None else greedy_sampler
         self.budget, self.eos, self.stream = budget, eos, stream
+        self.processors = list(processors)
+        self._context = TokenBuffer(list(context)) if processors else None
+        #: The distribution the token :meth:`next` emitted last was chosen from.
+        self.logprobs: mx.array | None = None
         #: Tokens emitted so far, and prompt tokens prefilled.
         self.emitted = self.done = 0
-        #: The next token, sampled lazily (its forward pass may still run); the cache
-        #: holds every token before it.
-        self._next: mx.array | None = None
+        #: The next token, sampled lazily (its forward pass may still run), and its
+        #: distribution; the cache holds every token before it.
+        self._next: tuple[mx.array, mx.array] | None = None
         #: The token :meth:`next` emitted without running it through the model.
         self._unfed: mx.array | None = None
 
@@ -92,13 +104,17 @@ class Solo:
         with mx.stream(self.stream):
             self._next = self._sample(self.prompt[-1:])
 
-    def _sample(self, token: list[int] | mx.array) -> mx.array:
+    def _sample(self, token: list[int] | mx.array) -> tuple[mx.array, mx.array]:
         inputs = mx.array(token) if isinstance(token, list) else token
         logits = self.model(inputs[None], cache=self.cache)[:, -1, :]
+        if self._context is not None:
+            tokens = self._context.update_and_fetch(inputs)
+            for processor in self.processors:
+                logits = processor(tokens, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = self.sampler(logprobs)
-        mx.async_eval(sampled)  # type: ignore[no-untyped-call]
-        return sampled
+        mx.async_eval(sampled, logprobs)  # type: ignore[no-untyped-call]
+        return sampled, logprobs
 
     def next(self, *, go_on: bool = True) -> tuple[int, str | None]:
         """Emit the next token and its finish reason (``"length"``, ``"stop"`` or
@@ -106,7 +122,7 @@ class Solo:
         then holds the emitted token, as a finished generator sequence's does);
         without, :meth:`settle` puts the emitted token into the cache."""
         assert self._next is not None, "start() first"
-        current = self._next
+        current, self.logprobs = self._next
         with mx.stream(self.stream):
             if go_on:
                 self._next = self._sample(current)
