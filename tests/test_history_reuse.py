@@ -207,6 +207,7 @@ def test_a_cancelled_prefill_that_keeps_a_checkpoint_returns_its_blocks(
     pool = BlockPool(narrow.spec, total_blocks=200)
     engine = BlockPoolBatchEngine(narrow.model, narrow.tokenizer, pool, prefill_batch_size=1)
     blocks = first_turn(narrow, engine, 2600).blocks
+    engine.pacing.ceiling = 1024  # a fast machine would run the whole job in one step
     prompt = [*blocks.tokens[:2500], 1, 2, 3]
     uid = engine.submit("a", prompt[2500:], blocks, trim=blocks.num_tokens - 2500, max_tokens=4)
     assert engine.admission(uid).cached_tokens == 0  # type: ignore[union-attr]
