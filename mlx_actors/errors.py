@@ -16,6 +16,7 @@ __all__ = [
     "ModelMismatchError",
     "ModelNotFoundError",
     "PoolExhaustedError",
+    "ReplyFormatError",
     "RuntimeClosedError",
     "StateInUseError",
     "StateWriteError",
@@ -113,3 +114,12 @@ class StateWriteError(MlxActorsError, OSError):
     """The state directory could not be written (a full disk, a read-only directory, no
     permission): the turn, spawn, fork or reset that needed the write did not happen,
     and the agent is as it was before it."""
+
+
+class ReplyFormatError(MlxActorsError, ValueError):
+    """A reply asked for with ``schema=`` did not complete as the schema's JSON: it was
+    cut by ``max_tokens`` or a stop string. The turn was undone; ``text`` is what came."""
+
+    def __init__(self, message: str, *, text: str) -> None:
+        super().__init__(message)
+        self.text = text

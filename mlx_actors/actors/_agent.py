@@ -19,10 +19,19 @@ from ..errors import (
     AgentClosedError,
     InvalidRequestError,
     MlxActorsError,
+    ReplyFormatError,
     RuntimeClosedError,
     TurnTimeoutError,
 )
-from ..scheduler import SEEDS, Sampling, Scheduler, Turn, check_stops
+from ..scheduler import (
+    SEEDS,
+    Sampling,
+    Scheduler,
+    Turn,
+    check_stops,
+    parse_reply,
+    schema_grammar,
+)
 from ._render import Renderer, Rendering, renderer_for
 from ._reply import Message, Reply, TurnStream
 
@@ -163,6 +172,9 @@ class Envelope:
     kind: Literal["ask", "reset", "fork"]
     text: str = ""
     options: TurnOptions | None = None
+    #: What the reply must be (``ask(schema=...)``), and its grammar.
+    schema: Any = None
+    grammar: str | None = None
     mailbox_size: int | None = None
     forked: Agent | None = None
     timeout: float | None = None
@@ -338,9 +350,15 @@ class Agent:
         text: str,
         *,
         timeout: float | None = None,  # noqa: ASYNC109 (also cancels the turn; see below)
+        schema: Any = None,
         **settings: Unpack[TurnSettings],
     ) -> Reply:
         """Send ``text`` as the next user message and wait for the reply.
+
+        With ``schema`` (a JSON schema dict, or a pydantic model class) the reply is
+        decoded under a constraint that makes it a JSON value of that schema, and
+        ``reply.data`` holds it parsed (an instance of the model class). Say in ``text``
+        what the fields mean: the constraint decides the form, not the content.
 
         ``settings`` (:class:`TurnSettings`: ``max_tokens``, ``temperature``, ``stop``,
         ``logprobs``...) override the agent's defaults for this turn. ``timeout``
@@ -356,8 +374,10 @@ class Agent:
                 flight could make some.
             StateWriteError: the turn could not be saved to the state directory (it
                 was undone).
+            ReplyFormatError: with ``schema``, the reply was cut (by ``max_tokens`` or
+                a stop string) before its value was complete (the turn was undone).
         """
-        envelope = self._envelope(text, timeout, settings)
+        envelope = self._envelope(text, timeout, settings, schema=schema)
         await envelope.send()
         reply = await envelope.outcome()
         assert reply is not None
@@ -368,6 +388,7 @@ class Agent:
         text: str,
         *,
         timeout: float | None = None,
+        schema: Any = None,
         **settings: Unpack[TurnSettings],
     ) -> TurnStream:
         """Like :meth:`ask`, but gives the reply's text as it is generated::
@@ -377,7 +398,7 @@ class Agent:
                 print(piece, end="")
         reply = pieces.reply
         """
-        envelope = self._envelope(text, timeout, settings)
+        envelope = self._envelope(text, timeout, settings, schema=schema)
         envelope.push, envelope.pieces = anyio.create_memory_object_stream[str](math.inf)
         return TurnStream(envelope)
 
@@ -456,6 +477,7 @@ class Agent:
         timeout: float | None,
         settings: Mapping[str, Any],
         kind: Literal["ask", "fork"] = "ask",
+        schema: Any = None,
     ) -> Envelope:
         if self._closing is not None:
             raise self._closed_error()
@@ -468,7 +490,16 @@ class Agent:
         ):
             raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         options = self.options.override(**settings)
-        return Envelope(agent=self, kind=kind, text=text, options=options, timeout=timeout)
+        grammar = schema_grammar(schema) if schema is not None else None
+        return Envelope(
+            agent=self,
+            kind=kind,
+            text=text,
+            options=options,
+            timeout=timeout,
+            schema=schema,
+            grammar=grammar,
+        )
 
     def _check_loop(self) -> None:
         """Refuse a call from another event loop than the runtime's: its wake-ups would
@@ -562,9 +593,17 @@ class Agent:
             max_tokens=options.max_tokens,
             sampling=options.sampling(seed),
             stop=options.stop,
+            grammar=envelope.grammar,
             on_text=_pusher(envelope.push) if envelope.push is not None else None,
         )
         result = await self._scheduler.run_turn(turn, sent=envelope.arrived)
+        data = None
+        if envelope.schema is not None:
+            try:
+                data = parse_reply(result.text, envelope.schema)
+            except ReplyFormatError:
+                self._scheduler.release(self.name, result.blocks)
+                raise
         # Commit the reply and its cache together: nothing awaits until the keeper.
         before = self._messages, self._turns
         self._scheduler.commit(self.name, result.blocks)
@@ -596,6 +635,7 @@ class Agent:
             finish_reason=result.finish_reason,
             logprobs=result.logprobs,
             top_logprobs=result.top_logprobs,
+            data=data,
             usage=result.usage,
             ttft_s=result.submitted_at + result.ttft_s - started,
             total_s=time.perf_counter() - started,

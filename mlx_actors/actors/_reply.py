@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import attrs
@@ -49,6 +49,9 @@ class Reply:
     #: With ``top_logprobs=n``: at each step, the ``n`` most likely tokens as
     #: ``(token, logprob)`` pairs, most likely first.
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    #: With ``schema=``: the reply's JSON value, parsed (a model instance for a pydantic
+    #: model class).
+    data: Any = None
 
     def __str__(self) -> str:
         return self.text

@@ -7,6 +7,10 @@ the ``Scheduler`` actor owns that engine on its thread, moving idle agents' cach
 """
 
 from ._actor import Scheduler as Scheduler
+from ._constraint import Constraint as Constraint
+from ._constraint import grammar_tokenizer as grammar_tokenizer
+from ._constraint import parse_reply as parse_reply
+from ._constraint import schema_grammar as schema_grammar
 from ._engine import BlockPoolBatchEngine as BlockPoolBatchEngine
 from ._image import BlockEntry as BlockEntry
 from ._image import CacheImage as CacheImage

@@ -206,7 +206,8 @@ class BlockPoolBatchEngine:
             stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
         )
         self._eos = frozenset(tokenizer.eos_token_ids)
-        self._vocab_size = _vocab_size(model, tokenizer)
+        #: The width of the model's logits (token ids it can read and produce).
+        self.vocab_size = _vocab_size(model, tokenizer)
         self._generator = BatchGenerator(model, **self._generator_options)
         self._uids = itertools.count()
         self._sequences: dict[int, _Sequence] = {}
@@ -279,11 +280,11 @@ class BlockPoolBatchEngine:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be an int > 0, got {max_tokens!r}")
         sampling = sampling if sampling is not None else Sampling()
-        bad_bias = [t for t, _ in sampling.logit_bias if t >= self._vocab_size]
+        bad_bias = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
         if bad_bias:
             raise InvalidRequestError(
                 f"logit_bias names token ids {bad_bias[:5]} outside the vocabulary "
-                f"[0, {self._vocab_size})"
+                f"[0, {self.vocab_size})"
             )
         stops = check_stops(stop)
         if cache is not None:
@@ -355,10 +356,10 @@ class BlockPoolBatchEngine:
                 raise InvalidRequestError("token ids must be ints, not bools")
         if not tokens:
             raise InvalidRequestError("the prompt has no tokens")
-        bad = [t for t in tokens if not 0 <= t < self._vocab_size]
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"token ids {bad[:5]} are outside the vocabulary [0, {self._vocab_size})"
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
         return tokens
 

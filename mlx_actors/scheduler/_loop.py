@@ -18,6 +18,7 @@ from ..errors import (
     PoolExhaustedError,
     RuntimeClosedError,
 )
+from ._constraint import Constraint, grammar_tokenizer
 from ._engine import BlockPoolBatchEngine
 from ._image import CacheImage, make_blocks, stored_ids, take_image
 from ._pool import AgentBlocks
@@ -103,6 +104,8 @@ class EngineLoop:
         self.waiting: collections.deque[tuple[Turn, CacheImage | None]] = collections.deque()
         #: Whether blocks may have been freed since the waiting turns last tried.
         self._room = False
+        #: The tokenizer as the grammar engine reads it (built at the first constraint).
+        self._grammar_tokenizer: Any = None
         engine.make_room = self._make_room
         self.outbox: Outbox = []
         self.evictions = self.restores = 0
@@ -271,6 +274,20 @@ class EngineLoop:
         self.turns[uid] = turn
         return None
 
+    def _constraint(self, turn: Turn) -> list[Constraint]:
+        """The logits processor that holds ``turn``'s reply to its grammar, if any."""
+        if turn.grammar is None:
+            return []
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(
+                self.engine.tokenizer, self.engine.vocab_size
+            )
+        return [
+            Constraint(
+                self._grammar_tokenizer, turn.grammar, len(turn.tokens), self.engine.vocab_size
+            )
+        ]
+
     def _submit(self, turn: Turn, entry: _Entry) -> int:
         tokens, blocks = turn.tokens, entry.blocks
         # The engine finds the longest prefix any live blocks hold; the agent's own
@@ -294,6 +311,7 @@ class EngineLoop:
                 stop=turn.stop,
                 on_token=on_token,
                 namespace=entry.namespace,
+                processors=self._constraint(turn),
             )
         except PoolExhaustedError as exc:
             raise _nothing_to_evict(exc) from None

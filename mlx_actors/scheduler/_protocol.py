@@ -31,6 +31,8 @@ class Turn:
     max_tokens: int
     sampling: Sampling
     stop: tuple[str, ...] = ()
+    #: A grammar (llguidance's) the reply must follow: decoding is constrained to it.
+    grammar: str | None = None
     #: Called on the event loop with each printable piece of text.
     on_text: Callable[[str], None] | None = None
     id: int = attrs.field(factory=itertools.count(1).__next__)
