@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..errors import CacheReconstructionError
+from ._gather import gather
 from ._margin import MarginRotatingKVCache
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefix import Node, Piece, PrefixIndex, cover, runs_of
@@ -140,7 +141,8 @@ def to_cache(
     agent's, or per layer the pieces a :class:`~._prefix.Source` found).
 
     Only the tokens a layer needs are copied (a sliding layer needs its last
-    ``window``), in one copy per array. With ``room``, a global layer's arrays have
+    ``window``), in one copy per array (one launch per layer on a CUDA GPU,
+    :mod:`._gather`). With ``room``, a global layer's arrays have
     space for that many more tokens (rounded up to a block), so that updating the
     cache in place does not copy it again. The copies are lazy: MLX runs them when the
     cache is first used.
@@ -151,8 +153,11 @@ def to_cache(
     for layer, layer_pieces in zip(spec.layers, layers, strict=True):
         lo = 0 if layer.window is None else max(0, keep - layer.window)
         extra = tail if layer.kind is LayerKind.GLOBAL else 0
-        keys = _gather([(b.keys, b.start, a, z) for b, a, z in layer_pieces], extra)
-        values = _gather([(b.values, b.start, a, z) for b, a, z in layer_pieces], extra)
+        keys, values = gather(
+            [(b.keys, b.start, a, z) for b, a, z in layer_pieces if b.keys is not None],
+            [(b.values, b.start, a, z) for b, a, z in layer_pieces if b.values is not None],
+            extra,
+        )
         if layer.kind is LayerKind.GLOBAL:
             cache: Any = KVCache()
         else:
@@ -162,16 +167,6 @@ def to_cache(
         cache.keys, cache.values, cache.offset = keys, values, keep
         caches.append(cache)
     return caches
-
-
-def _gather(parts: Sequence[tuple[mx.array | None, int, int, int]], room: int = 0) -> mx.array:
-    """Positions ``[a, z)`` of each part, concatenated (a part's array starts at
-    ``start``), and ``room`` zeros after them."""
-    slices = [arr[..., a - start : z - start, :] for arr, start, a, z in parts if arr is not None]
-    if room:
-        shape = (*slices[0].shape[:2], room, slices[0].shape[3])
-        slices.append(mx.zeros(shape, slices[0].dtype))
-    return slices[0] if len(slices) == 1 else mx.concatenate(slices, axis=2)
 
 
 def blocks_needed(spec: ModelCacheSpec, final_tokens: int, shared_tokens: int) -> int:

@@ -1,0 +1,173 @@
+"""Blocks of one layer into one cache array: on a CUDA GPU, one kernel launch per layer
+for keys and values together; elsewhere MLX's ``concatenate``.
+
+A cache rebuilt from blocks is a copy of each block's tokens into one array per layer.
+MLX's ``concatenate`` runs one copy kernel per input, so an 8K-token history of a
+48-layer model is about a thousand launches of a megabyte each: on a GPU the launches,
+not the bytes, set the time. The kernel here copies all of a layer's pieces, and zeroes
+the room left after them, in one launch, from a small table of where each piece goes.
+It is compiled once per shape (pieces rounded up to a power of two, head sizes, dtype);
+MLX keeps the compiled code on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+#: A piece of a block: its array (``[1, heads, tokens, dim]``), the block's first
+#: position, and the positions ``[a, z)`` wanted.
+Part = tuple[mx.array, int, int, int]
+
+#: Most pieces one launch takes; longer histories take several launches.
+MAX_PARTS = 128
+
+_BYTES = 16  # each thread moves 16 bytes at a time
+
+#: Compiled kernels by the number of parts they take.
+_kernels: dict[int, Any] = {}
+
+
+def gather(
+    parts_k: Sequence[Part], parts_v: Sequence[Part], room: int = 0
+) -> tuple[mx.array, mx.array]:
+    """Keys and values: the positions of each part, in order, then ``room`` zeros."""
+    if _use_kernel(parts_k, parts_v):
+        return _gather_kernel(parts_k, parts_v, room)
+    return concatenate(parts_k, room), concatenate(parts_v, room)
+
+
+def concatenate(parts: Sequence[Part], room: int = 0) -> mx.array:
+    """The positions of each part, in order, then ``room`` zeros, with MLX's own ops."""
+    slices = [
+        arr if a == start and z - a == arr.shape[2] else arr[..., a - start : z - start, :]
+        for arr, start, a, z in parts
+    ]
+    if room:
+        shape = (*slices[0].shape[:2], room, slices[0].shape[3])
+        slices.append(mx.zeros(shape, slices[0].dtype))
+    return slices[0] if len(slices) == 1 else mx.concatenate(slices, axis=2)
+
+
+def kernel_available() -> bool:
+    """Whether the gather kernel can run here: MLX's default device is a CUDA GPU."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def _use_kernel(parts_k: Sequence[Part], parts_v: Sequence[Part]) -> bool:
+    if len(parts_k) < 2 or not kernel_available():
+        return False  # one piece is a slice: no copy at all
+    first_k, first_v = parts_k[0][0], parts_v[0][0]
+    size = first_k.dtype.size
+    return (
+        first_k.dtype == first_v.dtype
+        and first_k.shape[1] == first_v.shape[1]
+        and (first_k.shape[3] * size) % _BYTES == 0
+        and (first_v.shape[3] * size) % _BYTES == 0
+    )
+
+
+def _gather_kernel(
+    parts_k: Sequence[Part], parts_v: Sequence[Part], room: int
+) -> tuple[mx.array, mx.array]:
+    groups = [
+        (parts_k[i : i + MAX_PARTS], parts_v[i : i + MAX_PARTS])
+        for i in range(0, len(parts_k), MAX_PARTS)
+    ]
+    outs = [_launch(k, v, room if n == len(groups) - 1 else 0) for n, (k, v) in enumerate(groups)]
+    if len(outs) == 1:
+        return outs[0]
+    return (
+        mx.concatenate([k for k, _ in outs], axis=2),
+        mx.concatenate([v for _, v in outs], axis=2),
+    )
+
+
+def _launch(
+    parts_k: Sequence[Part], parts_v: Sequence[Part], room: int
+) -> tuple[mx.array, mx.array]:
+    """One launch: the blocks of ``len(parts)`` pieces (the kernel takes a power of two
+    of them; the extra ones copy nothing) and a table of where each piece goes."""
+    n = len(parts_k)
+    slots = 1 << (n - 1).bit_length()
+    keys = [part[0] for part in parts_k]
+    values = [part[0] for part in parts_v]
+    # Per piece: the block's length, the first position wanted in it, how many, and
+    # where they go; last, the room: the output's length, zeros, where they go.
+    rows: list[int] = []
+    filled = longest = 0
+    for arr, start, a, z in parts_k:
+        rows += (arr.shape[2], a - start, z - a, filled)
+        filled += z - a
+        longest = max(longest, z - a)
+    if slots > n:
+        keys += [keys[0]] * (slots - n)
+        values += [values[0]] * (slots - n)
+        rows += [0] * (4 * (slots - n))
+    rows += (filled + room, 0, room, filled)
+    heads, dk, dv = keys[0].shape[1], keys[0].shape[3], values[0].shape[3]
+    dtype = keys[0].dtype
+    chunks = max(longest, room) * max(dk, dv) * dtype.size // _BYTES
+    threads = 256 * max(1, min(64, -(-chunks // 256)))
+    k, v = _get_kernel(slots)(
+        inputs=[*keys, *values, mx.array(rows, dtype=mx.int32)],
+        template=[("T", dtype), ("DK", dk), ("DV", dv)],
+        grid=(threads, slots + 1, heads),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(1, heads, filled + room, dk), (1, heads, filled + room, dv)],
+        output_dtypes=[dtype, dtype],
+    )
+    return k, v
+
+
+# Part ``blockIdx.y`` of head ``blockIdx.z``, placed by its row of the table; the last
+# part is the room (zeros). A block is ``[1, heads, len, dim]``, row-contiguous, so each
+# head's tokens of a piece are one run of memory, copied 16 bytes per thread.
+_SOURCE = """
+    const int part = blockIdx.y;
+    const long h = blockIdx.z;
+    const long total = table[4 * SLOTS];
+    const int* row = table + 4 * part;
+    const long len = row[0], lo = row[1], count = row[2], dst = row[3];
+    const T* ks = nullptr;
+    const T* vs = nullptr;
+    switch (part) {
+{cases}
+        default: break;  // the room
+    }
+    constexpr int VK = DK * sizeof(T) / 16;
+    constexpr int VV = DV * sizeof(T) / 16;
+    const long step = (long)gridDim.x * blockDim.x;
+    const long first = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    uint4* ko_ = reinterpret_cast<uint4*>(ko) + (h * total + dst) * VK;
+    uint4* vo_ = reinterpret_cast<uint4*>(vo) + (h * total + dst) * VV;
+    const uint4* ki = ks ? reinterpret_cast<const uint4*>(ks) + (h * len + lo) * VK : nullptr;
+    const uint4* vi = vs ? reinterpret_cast<const uint4*>(vs) + (h * len + lo) * VV : nullptr;
+    for (long i = first; i < count * VK; i += step) {
+        ko_[i] = ki ? ki[i] : zero;
+    }
+    for (long i = first; i < count * VV; i += step) {
+        vo_[i] = vi ? vi[i] : zero;
+    }
+"""
+
+
+def _get_kernel(slots: int) -> Any:
+    kernel = _kernels.get(slots)
+    if kernel is None:
+        cases = "\n".join(f"        case {i}: ks = k{i}; vs = v{i}; break;" for i in range(slots))
+        source = _SOURCE.replace("{cases}", cases).replace("SLOTS", str(slots))
+        kernel = _kernels[slots] = mx.fast.cuda_kernel(
+            name=f"mlx_actors_gather_{slots}",
+            input_names=[
+                *(f"k{i}" for i in range(slots)),
+                *(f"v{i}" for i in range(slots)),
+                "table",
+            ],
+            output_names=["ko", "vo"],
+            source=source,
+        )
+    return kernel
