@@ -13,8 +13,11 @@ from .actors import Agent as Agent
 from .actors import AgentStatistics as AgentStatistics
 from .actors import Message as Message
 from .actors import Reply as Reply
+from .actors import Tool as Tool
+from .actors import ToolCall as ToolCall
 from .actors import TurnSettings as TurnSettings
 from .actors import TurnStream as TurnStream
+from .actors import tool as tool
 from .runtime import Runtime as Runtime
 from .runtime import RuntimeStatistics as RuntimeStatistics
 from .scheduler import PoolStatistics as PoolStatistics

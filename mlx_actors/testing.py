@@ -14,6 +14,7 @@ from mlx_lm.utils import load_model
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "CHATML_TOOLS_TEMPLATE",
     "SPECIAL_TOKENS",
     "family_configs",
     "tiny_config",
@@ -26,6 +27,35 @@ CHATML_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+#: ChatML with tools, in the shape of Qwen 2.5's template: the tools listed in the
+#: system message, calls as ``<tool_call>`` JSON, results as ``<tool_response>``.
+CHATML_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags.<|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}"
+    "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if message.content %}{{ message.content }}\n{% endif %}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
+    "{{ tool_call.arguments | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 #: Special tokens after the 256 byte tokens, as in SmolLM2's vocabulary.
@@ -86,6 +116,7 @@ def write_random_model(
     seed: int = 0,
     dtype: mx.Dtype = mx.float32,
     init_scale: float = 1.0,
+    chat_template: str = CHATML_TEMPLATE,
 ) -> Path:
     """Write an mlx-lm model directory with random weights and a byte-level tokenizer.
 
@@ -99,6 +130,7 @@ def write_random_model(
             gives a near-uniform model whose greedy output hardly depends on its
             context; 3 or 4 makes outputs sensitive to every cached token, which is
             what tests comparing against a reference want.
+        chat_template: the tokenizer's chat template.
 
     Returns:
         The directory, ready for ``mlx_lm.load``.
@@ -115,11 +147,11 @@ def write_random_model(
     params: dict[str, mx.array] = dict(tree_flatten(model.parameters()))
     weights = {name: w * init_scale if w.ndim >= 2 else w for name, w in params.items()}
     mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "mlx"})
-    _write_byte_tokenizer(path)
+    _write_byte_tokenizer(path, chat_template)
     return path
 
 
-def _write_byte_tokenizer(path: Path) -> None:
+def _write_byte_tokenizer(path: Path, chat_template: str = CHATML_TEMPLATE) -> None:
     """A GPT-2 style byte-level BPE tokenizer with no merges: one token per byte."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -144,7 +176,7 @@ def _write_byte_tokenizer(path: Path) -> None:
                 "add_bos_token": False,
                 "clean_up_tokenization_spaces": False,
                 "model_max_length": 1 << 20,
-                "chat_template": CHATML_TEMPLATE,
+                "chat_template": chat_template,
             },
             indent=2,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import re
 import time
@@ -28,12 +29,16 @@ from ..scheduler import (
     Sampling,
     Scheduler,
     Turn,
+    Usage,
     check_stops,
+    json_schema,
     parse_reply,
     schema_grammar,
 )
 from ._render import Renderer, Rendering, renderer_for
 from ._reply import Message, Reply, TurnStream
+from ._tool_format import ToolFormat, tool_format
+from ._tools import Tool, ToolCall, as_tools, run_call
 
 #: Conversations of fewer characters are rendered on the event loop (under two milliseconds
 #: on a small CPU); longer ones on a worker thread, so that the loop never waits on them.
@@ -84,6 +89,13 @@ class TurnSettings(TypedDict, total=False):
     seed: int | None
     #: Strings that end the reply (not part of it).
     stop: str | Sequence[str]
+    #: With tools: ``"auto"`` (the model decides), ``"required"`` (the turn's first
+    #: reply must be a call, decoding is constrained to one), ``"none"`` (calls the
+    #: model writes are not run), or a tool's name (the first reply calls it).
+    tool_choice: str
+    #: Most rounds of tool calls one turn runs (default 8); a reply that still calls
+    #: tools then ends the turn with ``finish_reason="tool_calls"``.
+    max_tool_rounds: int
 
 
 @attrs.frozen(kw_only=True)
@@ -93,12 +105,22 @@ class TurnOptions(Sampling):
 
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
+    tool_choice: str = "auto"
+    max_tool_rounds: int = 8
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         n = self.max_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise InvalidRequestError(f"max_tokens must be an int > 0, got {n!r}")
+        if not isinstance(self.tool_choice, str) or not self.tool_choice:
+            raise InvalidRequestError(
+                "tool_choice must be 'auto', 'required', 'none' or a tool's name, got "
+                f"{self.tool_choice!r}"
+            )
+        r = self.max_tool_rounds
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= 64:
+            raise InvalidRequestError(f"max_tool_rounds must be an int in [0, 64], got {r!r}")
         if not isinstance(self.stop, tuple) or check_stops(self.stop) != self.stop:
             raise InvalidRequestError(f"stop must be a tuple of strings, got {self.stop!r}")
 
@@ -293,10 +315,13 @@ class Agent:
         messages: Sequence[Message] = (),
         turns: int = 0,
         cached: tuple[int, int] = (0, 0),
+        tools: Sequence[Tool] = (),
     ) -> None:
         self.name = name
         self.system = system
         self.options = options
+        self._tools = tuple(tools)
+        self._format: ToolFormat | None = None
         self._scheduler = scheduler
         self._renderer: Renderer = renderer_for(scheduler.tokenizer)
         #: The last rendering of the conversation: the next one encodes only what changed.
@@ -333,6 +358,19 @@ class Agent:
     @property
     def closed(self) -> bool:
         return self._closing is not None
+
+    @property
+    def tools(self) -> tuple[Tool, ...]:
+        """The tools the agent may call (see ``spawn(tools=...)``)."""
+        return self._tools
+
+    def use_tools(self, tools: Sequence[Callable[..., Any] | Tool]) -> None:
+        """Replace the agent's tools from its next turn on (an agent brought back from a
+        state directory has its tools' descriptions, not their functions: give them
+        again). The conversation is rendered with the new tools, so a turn after a
+        change that alters their descriptions prefills the conversation again."""
+        self._check_loop()
+        self._tools = as_tools(tools)
 
     def statistics(self) -> AgentStatistics:
         mailbox = self._mailbox.statistics()
@@ -490,6 +528,8 @@ class Agent:
         ):
             raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         options = self.options.override(**settings)
+        if kind == "ask":
+            self._check_tool_choice(options.tool_choice)
         grammar = schema_grammar(schema) if schema is not None else None
         return Envelope(
             agent=self,
@@ -571,6 +611,9 @@ class Agent:
             envelope.finish()
 
     async def _turn(self, envelope: Envelope) -> None:
+        """One ask: the reply, and with tools every round of calls before it. Rounds
+        after the first commit their cache with ``hold``; if the ask fails, the agent's
+        cache is undone to the one it started from, and its conversation never changed."""
         assert envelope.options is not None
         started = time.perf_counter()
         options = envelope.options
@@ -578,32 +621,52 @@ class Agent:
         seed = options.seed
         if seed is not None and self.options.seed == seed:
             seed = (seed + self._turns) % SEEDS  # each of the agent's turns its own stream
-        lock = self._scheduler.tokenizer_lock
-        short = sum(len(m.content) for m in messages) + len(self.system or "") < RENDER_ON_LOOP
-        if short and lock.acquire(blocking=False):  # quick, and the tokenizer is free
-            try:
-                tokens = self._render(messages, locked=True)
-            finally:
-                lock.release()
-        else:
-            tokens = await anyio.to_thread.run_sync(self._render, messages, abandon_on_cancel=True)
-        turn = Turn(
-            agent=self.name,
-            tokens=tokens,
-            max_tokens=options.max_tokens,
-            sampling=options.sampling(seed),
-            stop=options.stop,
-            grammar=envelope.grammar,
-            on_text=_pusher(envelope.push) if envelope.push is not None else None,
-        )
-        result = await self._scheduler.run_turn(turn, sent=envelope.arrived)
-        data = None
-        if envelope.schema is not None:
-            try:
-                data = parse_reply(result.text, envelope.schema)
-            except ReplyFormatError:
-                self._scheduler.release(self.name, result.blocks)
-                raise
+        tools = {t.name: t for t in self._tools} if options.tool_choice != "none" else {}
+        ran: list[ToolCall] = []
+        usage: Usage | None = None
+        ttft = 0.0
+        held = False
+        try:
+            for rounds in itertools.count():
+                turn = Turn(
+                    agent=self.name,
+                    tokens=await self._tokens(messages),
+                    max_tokens=options.max_tokens,
+                    sampling=options.sampling(seed if rounds == 0 else _round_seed(seed, rounds)),
+                    stop=options.stop,
+                    grammar=self._grammar(envelope, options, first=rounds == 0),
+                    on_text=_pusher(envelope.push) if envelope.push is not None else None,
+                )
+                result = await self._scheduler.run_turn(
+                    turn, sent=envelope.arrived if rounds == 0 else None
+                )
+                if usage is None:
+                    ttft = result.submitted_at + result.ttft_s - started
+                usage = _add_usage(usage, result.usage)
+                prefix = f"call_{self._turns}_{rounds}_"
+                calls = self._tool_format().calls(result.text, prefix, self._tools) if tools else ()
+                if not calls or rounds >= options.max_tool_rounds:
+                    break
+                self._scheduler.commit(self.name, result.blocks, hold=True)
+                held = True
+                messages.append(Message(role="assistant", content=result.text, tool_calls=calls))
+                for call in calls:
+                    done, text = await run_call(call, tools)
+                    ran.append(done)
+                    messages.append(
+                        Message(role="tool", content=text, name=call.name, tool_call_id=call.id)
+                    )
+            data = None
+            if envelope.schema is not None and not calls:
+                try:
+                    data = parse_reply(result.text, envelope.schema)
+                except ReplyFormatError:
+                    self._scheduler.release(self.name, result.blocks)
+                    raise
+        except BaseException:
+            if held:
+                self._scheduler.undo(self.name)
+            raise
         # Commit the reply and its cache together: nothing awaits until the keeper.
         before = self._messages, self._turns
         self._scheduler.commit(self.name, result.blocks)
@@ -611,7 +674,10 @@ class Agent:
             result.blocks.num_tokens,
             result.blocks.num_blocks,
         )
-        self._messages = [*messages, Message(role="assistant", content=result.text)]
+        self._messages = [
+            *messages,
+            Message(role="assistant", content=result.text, tool_calls=calls),
+        ]
         self._turns += 1
         if self._keeper is not None:
             # The turn is kept once saved; a caller who gave up meanwhile (a cancel, a
@@ -629,17 +695,68 @@ class Agent:
                     if await self._save_undo():
                         return
                     self._messages, self._turns = after  # kept on disk: kept here too
+        assert usage is not None
         envelope.reply = Reply(
             text=result.text,
             tokens=result.tokens,
-            finish_reason=result.finish_reason,
+            finish_reason="tool_calls" if calls else result.finish_reason,
             logprobs=result.logprobs,
             top_logprobs=result.top_logprobs,
             data=data,
-            usage=result.usage,
-            ttft_s=result.submitted_at + result.ttft_s - started,
+            tool_calls=tuple(ran),
+            usage=usage,
+            ttft_s=ttft,
             total_s=time.perf_counter() - started,
         )
+
+    async def _tokens(self, messages: list[Message]) -> list[int]:
+        """The conversation rendered as the model reads it: on the event loop when it is
+        short and the tokenizer is free, else on a worker thread."""
+        lock = self._scheduler.tokenizer_lock
+        short = sum(len(m.content) for m in messages) + len(self.system or "") < RENDER_ON_LOOP
+        if short and lock.acquire(blocking=False):  # quick, and the tokenizer is free
+            try:
+                return self._render(messages, locked=True)
+            finally:
+                lock.release()
+        return await anyio.to_thread.run_sync(self._render, messages, abandon_on_cancel=True)
+
+    def _tool_format(self) -> ToolFormat:
+        if self._format is None:
+            self._format = tool_format(self._scheduler.tokenizer)
+        return self._format
+
+    def _grammar(self, envelope: Envelope, options: TurnOptions, *, first: bool) -> str | None:
+        """What a round's reply must follow: a call on the first round when one is
+        required; with ``schema``, the answer (or, with tools, a call or the answer)."""
+        choice = options.tool_choice
+        if not self._tools or choice == "none":
+            return envelope.grammar
+        if first and choice != "auto":
+            chosen = self._tools if choice == "required" else self._named_tool(choice)
+            return self._tool_format().call_grammar(chosen, None)
+        if envelope.schema is None:
+            return None
+        return self._tool_format().call_grammar(self._tools, json_schema(envelope.schema))
+
+    def _check_tool_choice(self, choice: str) -> None:
+        if choice in ("auto", "none"):
+            return
+        if not self._tools:
+            raise InvalidRequestError(
+                f"tool_choice={choice!r} needs tools, and agent {self.name!r} has none"
+            )
+        if choice != "required":
+            self._named_tool(choice)
+
+    def _named_tool(self, name: str) -> tuple[Tool, ...]:
+        chosen = tuple(t for t in self._tools if t.name == name)
+        if not chosen:
+            raise InvalidRequestError(
+                f"tool_choice {name!r} is not 'auto', 'required', 'none' or one of the "
+                f"agent's tools {[t.name for t in self._tools]}"
+            )
+        return chosen
 
     async def _save_undo(self) -> bool:
         """Save the agent as it was before a turn its caller gave up on; ``False`` if
@@ -680,11 +797,30 @@ class Agent:
         """The conversation as the model reads it, under the tokenizer's lock (it is
         not thread-safe; ``locked``: the caller holds it). Only what changed since the
         last rendering is tokenised again."""
-        system = [Message(role="system", content=self.system)] if self.system else []
-        conversation = [m.as_dict() for m in (*system, *messages)]
+        extra: dict[str, Any] = {}
+        if self._tools or any(m.role == "tool" or m.tool_calls for m in messages):
+            conversation, extra = self._tool_format().conversation(
+                self.system, messages, self._tools
+            )
+        else:
+            system = [Message(role="system", content=self.system)] if self.system else []
+            conversation = [m.as_dict() for m in (*system, *messages)]
         with contextlib.nullcontext() if locked else self._scheduler.tokenizer_lock:
-            self._rendering = self._renderer.render(conversation, self._rendering)
+            self._rendering = self._renderer.render(conversation, self._rendering, **extra)
         return list(self._rendering.tokens)
+
+
+def _add_usage(total: Usage | None, more: Usage) -> Usage:
+    if total is None:
+        return more
+    return Usage(
+        **{a.name: getattr(total, a.name) + getattr(more, a.name) for a in attrs.fields(Usage)}
+    )
+
+
+def _round_seed(seed: int | None, rounds: int) -> int | None:
+    """A later round's seed: its own stream, reproducible from the turn's."""
+    return None if seed is None else (seed + 7919 * rounds) % SEEDS
 
 
 def check_text(what: str, text: object, limit: int | None = None) -> str:

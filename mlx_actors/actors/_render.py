@@ -82,16 +82,20 @@ class Renderer:
         self.incremental = self.incremental and bool(self._cut_at)
 
     def render(
-        self, conversation: Sequence[Mapping[str, Any]], previous: Rendering | None = None
+        self,
+        conversation: Sequence[Mapping[str, Any]],
+        previous: Rendering | None = None,
+        **template_args: Any,
     ) -> Rendering:
-        """The conversation with the generation prompt, as mlx-lm reads it."""
+        """The conversation with the generation prompt, as mlx-lm reads it (with
+        ``template_args`` for the chat template, such as ``tools``)."""
         if not self.incremental:
             tokens = self._tokenizer.apply_chat_template(
-                list(conversation), add_generation_prompt=True, tokenize=True
+                list(conversation), add_generation_prompt=True, tokenize=True, **template_args
             )
             return Rendering("", tuple(int(t) for t in tokens))
         text = self._tokenizer.apply_chat_template(
-            list(conversation), add_generation_prompt=True, tokenize=False
+            list(conversation), add_generation_prompt=True, tokenize=False, **template_args
         )
         if not isinstance(text, str):  # a template that tokenises by itself
             raise TypeError(f"the chat template gave {type(text).__name__}, not text")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -9,23 +10,66 @@ import anyio
 import attrs
 
 from ..scheduler import Usage
+from ._tools import ToolCall
 
 if TYPE_CHECKING:
     from ._agent import Envelope
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 @attrs.frozen(kw_only=True)
 class Message:
     """One entry of a conversation."""
 
-    #: ``"system"``, ``"user"`` or ``"assistant"``.
+    #: ``"system"``, ``"user"``, ``"assistant"`` or ``"tool"`` (a tool's result).
     role: str
+    #: The text (an assistant's with the calls it wrote, as it wrote them).
     content: str
+    #: An assistant's: the tool calls it wrote.
+    tool_calls: tuple[ToolCall, ...] = ()
+    #: A tool result's: the tool's name and the id of the call it answers.
+    name: str | None = None
+    tool_call_id: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def as_dict(self) -> dict[str, Any]:
+        """The message as chat templates and agent records take it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.as_dict() for c in self.tool_calls]
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Message:
+        """The message :meth:`as_dict` gave (``ValueError`` if it is not one)."""
+        calls = tuple(
+            ToolCall(id=_text(c["id"]), name=_text(c["name"]), arguments=_object(c["arguments"]))
+            for c in data.get("tool_calls", ())
+        )
+        name, call_id = data.get("name"), data.get("tool_call_id")
+        return cls(
+            role=_text(data["role"]),
+            content=_text(data["content"]),
+            tool_calls=calls,
+            name=None if name is None else _text(name),
+            tool_call_id=None if call_id is None else _text(call_id),
+        )
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not text")
+    return value
+
+
+def _object(value: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{value!r} is not an object")
+    return value
 
 
 @attrs.frozen(kw_only=True)
@@ -36,7 +80,9 @@ class Reply:
     text: str
     #: The generated token ids.
     tokens: tuple[int, ...]
-    #: ``"stop"`` (end of turn or a stop string) or ``"length"`` (``max_tokens`` reached).
+    #: ``"stop"`` (end of turn or a stop string), ``"length"`` (``max_tokens`` reached)
+    #: or ``"tool_calls"`` (it called tools again after ``max_tool_rounds`` rounds of
+    #: calls: those calls did not run).
     finish_reason: FinishReason
     #: Tokens prefilled, reused from the cache, and generated.
     usage: Usage
@@ -52,6 +98,10 @@ class Reply:
     #: With ``schema=``: the reply's JSON value, parsed (a model instance for a pydantic
     #: model class).
     data: Any = None
+    #: With tools: the calls the agent ran for this turn, in order, each with its
+    #: ``result`` (or ``error``). ``text``, ``tokens`` and the log-probabilities are the
+    #: final answer's; ``usage`` counts every round.
+    tool_calls: tuple[ToolCall, ...] = ()
 
     def __str__(self) -> str:
         return self.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
@@ -15,7 +15,16 @@ import attrs
 from anyio.abc import TaskGroup
 from typing_extensions import Unpack
 
-from ..actors import Agent, Message, TurnOptions, TurnSettings, check_name, check_text
+from ..actors import (
+    Agent,
+    Message,
+    Tool,
+    TurnOptions,
+    TurnSettings,
+    as_tools,
+    check_name,
+    check_text,
+)
 from ..errors import (
     AgentClosedError,
     CorruptStateError,
@@ -275,9 +284,13 @@ class Runtime:
                 system=record.system,
                 options=record.options,
                 mailbox_size=self._mailbox_size,
-                messages=[Message(role=m["role"], content=m["content"]) for m in record.messages],
+                messages=[Message.from_dict(m) for m in record.messages],
                 turns=record.turns,
                 cached=(len(tokens), blocks),
+                tools=[
+                    Tool(name=t["name"], description=t["description"], parameters=t["parameters"])
+                    for t in record.tools
+                ],
             )
             self.log.info("agent.resumed", agent=record.name, cached_tokens=len(tokens))
 
@@ -379,6 +392,7 @@ class Runtime:
                 options=options,
                 messages=messages,
                 turns=agent.statistics().turns,
+                tools=[t.spec()["function"] for t in agent.tools],
             )
             await self._state.save(record)
             try:
@@ -433,6 +447,7 @@ class Runtime:
         *,
         system: str | None = None,
         mailbox_size: int | None = None,
+        tools: Sequence[Callable[..., Any] | Tool] | None = None,
         **settings: Unpack[TurnSettings],
     ) -> Agent:
         """Start an agent.
@@ -442,6 +457,9 @@ class Runtime:
                 letters, digits, ``_`` or ``-``.
             system: the system prompt.
             mailbox_size: this agent's mailbox size (default: the runtime's).
+            tools: functions (sync or async) or :class:`Tool` s the agent may call:
+                each ``ask`` then runs the calls the model writes and gives it their
+                results until it answers (``tool_choice``, ``max_tool_rounds``).
             settings: the agent's defaults for its turns (:class:`TurnSettings`:
                 ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``...);
                 each ``ask`` can override them. The defaults decode greedily.
@@ -455,10 +473,15 @@ class Runtime:
         ):
             raise InvalidRequestError(f"mailbox_size must be a positive int, got {mailbox_size!r}")
         options = TurnOptions().override(**settings)
+        agent_tools = as_tools(tools)
         await self._name_free(name)
         self.check_new_name(name)
         agent = await self._start_agent(
-            name, system=system or None, options=options, mailbox_size=mailbox_size
+            name,
+            system=system or None,
+            options=options,
+            mailbox_size=mailbox_size,
+            tools=agent_tools,
         )
         await self._first_save(agent)
         self.log.info("agent.spawned", agent=name)
@@ -508,6 +531,7 @@ class Runtime:
                 messages=[m for m in parent.history if m.role != "system"],
                 turns=stats.turns,
                 cached=(stats.cached_tokens, stats.cached_blocks),
+                tools=parent.tools,
             )
         finally:
             self._claimed.discard(name)

@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import attrs
 
-from ..actors import TurnOptions, check_name
+from ..actors import Message, TurnOptions, check_name, check_parameters, check_tool_name
 from ..errors import (
     CorruptStateError,
     InvalidRequestError,
@@ -50,8 +50,11 @@ class AgentRecord:
     name: str
     system: str | None
     options: TurnOptions
-    messages: list[dict[str, str]]
+    #: Each as :meth:`Message.as_dict` gives it.
+    messages: list[dict[str, Any]]
     turns: int
+    #: The agent's tools as the model was told of them (their functions are not saved).
+    tools: list[dict[str, Any]] = attrs.Factory(list)
 
     def to_json(self) -> dict[str, Any]:
         options = {
@@ -71,11 +74,17 @@ class AgentRecord:
                 raise ValueError(f"format {data.get('format')!r}")
             if data["format"] == FORMAT:
                 data = checked(path, data)
-            messages = [
-                {"role": _text(m["role"]), "content": _text(m["content"])} for m in data["messages"]
+            messages = [Message.from_dict(m).as_dict() for m in data["messages"]]
+            if any(m["role"] not in ("user", "assistant", "tool") for m in messages):
+                raise ValueError("a message's role is not 'user', 'assistant' or 'tool'")
+            tools = [
+                {
+                    "name": check_tool_name(t["name"]),
+                    "description": _text(t["description"]),
+                    "parameters": dict(check_parameters(t["name"], t["parameters"])),
+                }
+                for t in data.get("tools", [])
             ]
-            if any(m["role"] not in ("user", "assistant") for m in messages):
-                raise ValueError("a message's role is neither 'user' nor 'assistant'")
             name = check_name(data["name"])
             if path.stem != name:
                 raise ValueError(f"it names the agent {name!r}")
@@ -100,10 +109,11 @@ class AgentRecord:
                 options=TurnOptions(**{**options, "stop": tuple(stop)}),
                 messages=messages,
                 turns=turns,
+                tools=tools,
             )
         except CorruptStateError:
             raise
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError, InvalidRequestError) as exc:
             raise CorruptStateError(f"{path} is not an agent record: {exc!r}") from exc
 
 

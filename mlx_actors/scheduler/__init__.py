@@ -8,7 +8,9 @@ the ``Scheduler`` actor owns that engine on its thread, moving idle agents' cach
 
 from ._actor import Scheduler as Scheduler
 from ._constraint import Constraint as Constraint
+from ._constraint import check_grammar as check_grammar
 from ._constraint import grammar_tokenizer as grammar_tokenizer
+from ._constraint import json_schema as json_schema
 from ._constraint import parse_reply as parse_reply
 from ._constraint import schema_grammar as schema_grammar
 from ._engine import BlockPoolBatchEngine as BlockPoolBatchEngine

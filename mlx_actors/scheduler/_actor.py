@@ -37,6 +37,7 @@ from ._protocol import (
     Stored,
     Submit,
     Turn,
+    Undo,
 )
 from ._records import CompletedGeneration
 from ._spec import ModelCacheSpec
@@ -218,9 +219,18 @@ class Scheduler:
         assert turn.result is not None
         return turn.result
 
-    def commit(self, agent: str, blocks: AgentBlocks) -> None:
-        """Make a finished turn's blocks the agent's cache (its old blocks are freed)."""
-        self._put(Commit(agent, blocks))
+    def commit(self, agent: str, blocks: AgentBlocks, *, hold: bool = False) -> None:
+        """Make a finished turn's blocks the agent's cache (its old blocks are freed).
+
+        With ``hold`` the turn goes on (a round of tool calls): the cache the turn
+        started from is kept, and the agent is not evicted, until a commit without
+        ``hold`` (which frees it) or :meth:`undo` (which restores it)."""
+        self._put(Commit(agent, blocks, hold))
+
+    def undo(self, agent: str) -> None:
+        """After commits with ``hold``: the agent's cache is again the one the turn
+        started from; the rounds' blocks are freed."""
+        self._put(Undo(agent))
 
     def release(self, agent: str, blocks: AgentBlocks) -> None:
         """Drop a finished turn the agent does not take: free its blocks."""

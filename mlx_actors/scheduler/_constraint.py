@@ -38,6 +38,37 @@ def is_model_class(schema: object) -> bool:
     return isinstance(schema, type) and callable(getattr(schema, "model_json_schema", None))
 
 
+def json_schema(schema: object) -> dict[str, Any]:
+    """``schema`` as a JSON schema: a mapping as it is, a pydantic model class's own.
+
+    Raises:
+        InvalidRequestError: neither.
+    """
+    if is_model_class(schema):
+        closed = schema.model_config.get("extra") != "allow"  # type: ignore[attr-defined]
+        schema = schema.model_json_schema()  # type: ignore[attr-defined]
+        if closed:  # fields pydantic would ignore are not worth generating
+            schema = _closed(schema)
+    if not isinstance(schema, Mapping):
+        raise InvalidRequestError(
+            f"schema must be a JSON schema (a dict) or a pydantic model class, got {schema!r}"
+        )
+    return dict(schema)
+
+
+def _closed(node: Any) -> Any:
+    """``node`` with ``additionalProperties: false`` on every object that has fields
+    and says nothing of others."""
+    if isinstance(node, list):
+        return [_closed(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _closed(v) for k, v in node.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def schema_grammar(schema: object) -> str:
     """The llguidance grammar for replies valid against ``schema``: a JSON schema (a
     mapping) or a pydantic model class.
@@ -45,19 +76,24 @@ def schema_grammar(schema: object) -> str:
     Raises:
         InvalidRequestError: not a schema, or one llguidance cannot compile.
     """
-    if is_model_class(schema):
-        schema = schema.model_json_schema()  # type: ignore[attr-defined]
-    if not isinstance(schema, Mapping):
-        raise InvalidRequestError(
-            f"schema must be a JSON schema (a dict) or a pydantic model class, got {schema!r}"
-        )
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(dict(schema), defaults=_COMPACT)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json_schema(schema), defaults=_COMPACT
+        )
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(f"the schema cannot be compiled: {exc}") from None
+    return check_grammar(grammar, "the schema")
+
+
+def check_grammar(grammar: str, what: str = "the grammar") -> str:
+    """``grammar`` (llguidance's), if llguidance can compile it.
+
+    Raises:
+        InvalidRequestError: it cannot.
+    """
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise InvalidRequestError(f"the schema cannot be compiled: {error}")
+        raise InvalidRequestError(f"{what} cannot be compiled: {error}")
     return grammar
 
 

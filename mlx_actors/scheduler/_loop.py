@@ -36,6 +36,7 @@ from ._protocol import (
     Stored,
     Submit,
     Turn,
+    Undo,
 )
 from ._records import TokenEvent
 
@@ -58,6 +59,14 @@ class _Entry:
     #: Which blocks the agent may share (every agent's, unless sharing is off: then
     #: its own and its forks').
     namespace: object = None
+    #: A turn of several rounds (tool calls) is under way: the cache it started from
+    #: (``kept``, ``None`` if there was none) waits for its end, and the agent is not
+    #: evicted meanwhile.
+    holding: bool = False
+    kept: AgentBlocks | None = None
+
+    def busy_or_holding(self) -> bool:
+        return self.busy or self.holding
 
 
 class EngineLoop:
@@ -155,7 +164,7 @@ class EngineLoop:
                 self._deliver(items)
 
     def apply(self, command: object) -> None:
-        if isinstance(command, (Commit, Release, Forget, Cancel)):
+        if isinstance(command, (Commit, Release, Forget, Cancel, Undo)):
             self._room = True
         if isinstance(command, Submit):
             self._admit(command.turn, command.image)
@@ -166,6 +175,8 @@ class EngineLoop:
         elif isinstance(command, Release):
             self.pool.free(command.blocks.blocks())
             self._entry(command.agent).busy = False
+        elif isinstance(command, Undo):
+            self._undo(command.agent)
         elif isinstance(command, Save):
             self._save(command)
         elif isinstance(command, Stored):
@@ -178,8 +189,8 @@ class EngineLoop:
         elif isinstance(command, Forget):
             self.engine.forget(command.agent)
             entry = self.agents.pop(command.agent, None)
-            if entry is not None and entry.blocks is not None:
-                self.pool.free(entry.blocks.blocks())
+            if entry is not None:
+                self._free_entry(entry)
         elif isinstance(command, Adopt):
             self.agents[command.agent] = _Entry(
                 tokens=command.tokens, namespace=self._namespace(command.agent)
@@ -238,7 +249,7 @@ class EngineLoop:
 
     def _others_busy(self, agent: str) -> bool:
         """Whether another agent's turn is in flight (it will free or release blocks)."""
-        return any(entry.busy for name, entry in self.agents.items() if name != agent)
+        return any(e.busy_or_holding() for name, e in self.agents.items() if name != agent)
 
     def _try_admit(self, turn: Turn, image: CacheImage | None) -> PoolExhaustedError | None:
         """Admit ``turn``, or answer it (refused, or its cache to read back); or, when
@@ -362,7 +373,7 @@ class EngineLoop:
             (entry.last_used, name)
             for name, entry in self.agents.items()
             if entry.blocks is not None
-            and not entry.busy
+            and not entry.busy_or_holding()
             and name != exclude
             and any(self.pool.references(b) == 1 for b in entry.blocks.blocks())
         ]
@@ -462,14 +473,40 @@ class EngineLoop:
 
     def _commit(self, command: Commit) -> None:
         entry = self._entry(command.agent)
-        if entry.blocks is not None:
+        if command.hold and not entry.holding:
+            entry.holding, entry.kept = True, entry.blocks  # the turn's start, for Undo
+        elif entry.blocks is not None:
             self.pool.free(entry.blocks.blocks())
+        if not command.hold:
+            if entry.kept is not None:
+                self.pool.free(entry.kept.blocks())
+            entry.holding, entry.kept = False, None
         entry.blocks, entry.tokens = command.blocks, command.blocks.tokens
         entry.last_used, entry.busy = time.perf_counter(), False
         if entry.stored:  # only the blocks it still holds can be referred to
             entry.stored = {
                 b.id: entry.stored[b.id] for b in entry.blocks.blocks() if b.id in entry.stored
             }
+
+    def _undo(self, agent: str) -> None:
+        entry = self.agents.get(agent)
+        if entry is None or not entry.holding:
+            return
+        if entry.blocks is not None:
+            self.pool.free(entry.blocks.blocks())
+        entry.blocks, entry.kept, entry.holding = entry.kept, None, False
+        entry.tokens = entry.blocks.tokens if entry.blocks is not None else ()
+        entry.busy = False
+        # Saved blocks the store holds are those of the cache the turn started from.
+        held = {b.id for b in entry.blocks.blocks()} if entry.blocks is not None else set()
+        entry.stored = {k: v for k, v in entry.stored.items() if k in held}
+
+    def _free_entry(self, entry: _Entry) -> None:
+        for blocks in (entry.blocks, entry.kept):
+            if blocks is not None:
+                self.pool.free(blocks.blocks())
+        entry.blocks = entry.kept = None
+        entry.holding = False
 
     def _save(self, command: Save) -> None:
         entry = self.agents.get(command.agent)
@@ -574,9 +611,7 @@ class EngineLoop:
         self.waiting.clear()
         self.engine.close()
         for entry in self.agents.values():
-            if entry.blocks is not None:
-                self.pool.free(entry.blocks.blocks())
-                entry.blocks = None
+            self._free_entry(entry)
         for command in leftovers:
             if isinstance(command, (Release, Commit)):
                 self.pool.free(command.blocks.blocks())

@@ -112,10 +112,21 @@ class Cancel:
 
 @attrs.frozen
 class Commit:
-    """The agent took the turn's result: its blocks become the agent's cache."""
+    """The agent took the turn's result: its blocks become the agent's cache. With
+    ``hold``, the turn goes on (a round of tool calls): the cache it started from is
+    kept aside, for :class:`Undo`, until a commit without ``hold``."""
 
     agent: str
     blocks: AgentBlocks
+    hold: bool = False
+
+
+@attrs.frozen
+class Undo:
+    """A turn that committed rounds with ``hold`` failed: the cache it started from
+    becomes the agent's again, and the rounds' blocks are freed."""
+
+    agent: str
 
 
 @attrs.frozen

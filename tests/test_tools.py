@@ -1,0 +1,369 @@
+"""Tools: schemas derived from functions, calls parsed in the model's format, and the
+agent's loop (run the calls, give the results back, let the model answer), on tiny
+random-weight models whose first reply a constraint makes a call. The answer after the
+results is compared with mlx-lm's own greedy generation on the whole conversation."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import jsonschema
+import pydantic
+import pytest
+
+from mlx_actors import Runtime, Tool, tool
+from mlx_actors.actors import as_tools
+from mlx_actors.actors._tool_format import tool_format
+from mlx_actors.errors import InvalidRequestError, TurnTimeoutError
+from mlx_actors.runtime import load_model
+from mlx_actors.testing import CHATML_TOOLS_TEMPLATE, tiny_config, write_random_model
+
+from .conftest import INIT_SCALE, Loaded, load, reference
+
+CALLS: list[tuple[int, int]] = []
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    CALLS.append((a, b))
+    return a + b
+
+
+@pytest.fixture(scope="session")
+def native_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose chat template renders tools (Qwen 2.5's way)."""
+    return write_random_model(
+        tmp_path_factory.mktemp("models") / "tiny-tools",
+        tiny_config(num_hidden_layers=3),
+        seed=7,
+        init_scale=INIT_SCALE,
+        chat_template=CHATML_TOOLS_TEMPLATE,
+    )
+
+
+@pytest.fixture(scope="session", params=["native", "fallback"])
+def model(request: pytest.FixtureRequest, native_dir: Path, tiny_dir: Path) -> Loaded:
+    """A model with a tools template, and one whose template knows nothing of tools."""
+    return load(native_dir if request.param == "native" else tiny_dir)
+
+
+def final_prompt(model: Loaded, agent: Any, upto: int) -> list[int]:
+    """The conversation's first ``upto`` messages rendered as mlx-lm would render them."""
+    messages = [m for m in agent.history if m.role != "system"][:upto]
+    conversation, extra = tool_format(model.tokenizer).conversation(
+        agent.system, messages, agent.tools
+    )
+    return list(
+        model.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **extra)
+    )
+
+
+# -- what a tool is --------------------------------------------------------------------------
+
+
+class Point(pydantic.BaseModel):
+    x: float
+    y: float
+
+
+def test_schemas_come_from_signatures_hints_and_docstrings() -> None:
+    (made,) = as_tools([add])
+    assert made.name == "add" and made.description == "Add two integers."
+    assert made.parameters == {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "description": "the first."},
+            "b": {"type": "integer", "description": "the second."},
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+
+    def plot(points: list[Point], kind: Literal["line", "bar"] = "line", title: str | None = None):  # type: ignore[no-untyped-def]
+        """Draw points."""
+
+    schema = as_tools([plot])[0].parameters
+    assert schema["required"] == ["points"]
+    assert schema["properties"]["kind"] == {
+        "enum": ["line", "bar"],
+        "type": "string",
+        "default": "line",
+    }
+    assert schema["properties"]["points"]["items"] == {"$ref": "#/$defs/Point"}
+    jsonschema.validate({"points": [{"x": 1, "y": 2}], "kind": "bar"}, schema)
+
+    explicit = tool(name="sum", description="Sum.", parameters={"type": "object"})(sum)
+    assert isinstance(explicit, Tool) and explicit.arguments_model is None
+    assert explicit.spec()["function"]["name"] == "sum"
+
+    def spread(*numbers: int) -> int:
+        return 0
+
+    for bad in ([spread], [add, add], add, ["add"]):
+        with pytest.raises(InvalidRequestError):
+            as_tools(bad)  # type: ignore[arg-type]
+
+
+def test_calls_are_read_from_text_in_order(tiny: Loaded) -> None:
+    fmt = tool_format(tiny.tokenizer)
+    assert not fmt.native and fmt.json_calls
+    text = (
+        'Let me see. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        '<tool_call>{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}</tool_call>'
+        "<tool_call>{not json</tool_call>"
+    )
+    first, second, broken = fmt.calls(text, "c", as_tools([add]))
+    assert (first.id, first.name, dict(first.arguments)) == ("c0", "add", {"a": 1, "b": 2})
+    assert (second.name, dict(second.arguments)) == ("add", {"a": 3, "b": 4})
+    assert broken.error is not None and "could not be read" in broken.error
+    assert fmt.before_calls(text) == "Let me see."
+    assert fmt.calls("no calls here", "c", ()) == ()
+
+
+# -- the loop --------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_required_call_runs_and_its_result_reaches_the_model(model: Loaded) -> None:
+    CALLS.clear()
+    async with Runtime(model.path, pool_blocks=200, log_level="off") as rt:
+        agent = await rt.spawn("calc", system="Use the tools.", tools=[add], max_tokens=120)
+        reply = await agent.ask("What is 2 + 3?", tool_choice="required")
+        (call,) = reply.tool_calls
+        assert call.name == "add" and call.error is None
+        assert [(call.arguments["a"], call.arguments["b"])] == CALLS
+        assert call.result == call.arguments["a"] + call.arguments["b"]
+        roles = [m.role for m in agent.history]
+        assert roles == ["system", "user", "assistant", "tool", "assistant"]
+        assert agent.history[2].tool_calls[0].name == "add"
+        assert agent.history[3].content == str(call.result)
+        # The answer is mlx-lm's own continuation of the conversation with the result.
+        prompt = final_prompt(model, agent, 3)
+        eos = model.tokenizer.eos_token_ids
+        assert list(reply.tokens) == reference(model.model, prompt, 120, stop=eos)
+        assert reply.finish_reason in ("stop", "length")
+        # Only new tokens were prefilled: the call the model wrote (and its end token)
+        # came from the cache when the result was added.
+        written = len(agent.history[2].content.encode()) + 1
+        assert reply.usage.prompt_tokens == len(prompt) - written
+        # The next turn goes on from there.
+        again = await agent.ask("And 4 + 4?", tool_choice="add")
+        assert [c.name for c in again.tool_calls] == ["add"] and len(CALLS) == 2
+
+
+@pytest.mark.anyio
+async def test_errors_become_messages_the_model_reads(tiny_dir: Path) -> None:
+    def divide(a: int, b: int) -> float:
+        """Divide a by b."""
+        return a / b
+
+    def unserialisable() -> object:
+        """Return something odd."""
+        return object()
+
+    async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
+        agent = await rt.spawn("calc", tools=[divide, unserialisable], max_tokens=120)
+        divide_reply = await agent.ask("1/0?", tool_choice="divide", logit_bias={ord("0"): 50})
+        (call,) = divide_reply.tool_calls
+        assert call.arguments["b"] == 0 and call.result is None
+        assert call.error == "divide raised ZeroDivisionError: division by zero"
+        assert agent.history[2].content == f"Error: {call.error}"  # user, call, result
+        odd = await agent.ask("Something odd?", tool_choice="unserialisable")
+        assert "not JSON" in (odd.tool_calls[0].error or "")
+        assert len(agent.history) == 8  # both turns kept, each with its call and result
+
+
+@pytest.mark.anyio
+async def test_sync_tools_run_on_a_worker_thread_and_async_ones_on_the_loop(
+    tiny_dir: Path,
+) -> None:
+    seen: dict[str, bool] = {}
+    loop_thread = threading.get_ident()
+
+    def where_sync() -> str:
+        """Where am I?"""
+        seen["sync"] = threading.get_ident() == loop_thread
+        return "here"
+
+    async def where_async() -> str:
+        """Where am I?"""
+        seen["async"] = threading.get_ident() == loop_thread
+        return "there"
+
+    async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
+        agent = await rt.spawn("w", tools=[where_sync, where_async], max_tokens=120)
+        await agent.ask("Sync?", tool_choice="where_sync")
+        await agent.ask("Async?", tool_choice="where_async")
+    assert seen == {"sync": False, "async": True}
+
+
+@pytest.mark.anyio
+async def test_a_slow_tool_times_out_and_the_turn_is_undone(tiny_dir: Path) -> None:
+    release = threading.Event()
+
+    def slow_sync() -> str:
+        """Take a long time."""
+        release.wait(timeout=60)
+        return "late"
+
+    never = anyio.Event()
+
+    async def slow_async() -> str:
+        """Take forever."""
+        await never.wait()
+        return "never"
+
+    async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
+        agent = await rt.spawn("slow", tools=[slow_sync, slow_async], max_tokens=120)
+        await agent.ask("Warm up.")
+        before = (agent.history, agent.cached_tokens, (await rt.stats()).pool.used_blocks)
+        try:
+            for name in ("slow_sync", "slow_async"):
+                with pytest.raises(TurnTimeoutError):
+                    await agent.ask("Wait.", tool_choice=name, timeout=0.5)
+                after = (agent.history, agent.cached_tokens, (await rt.stats()).pool.used_blocks)
+                assert after == before
+        finally:
+            release.set()
+        reply = await agent.ask("Still there?")  # the agent goes on as before
+        assert reply.tool_calls == () and len(agent.history) == 4
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_tool_turn_leaves_the_agent_as_it_was(tiny_dir: Path) -> None:
+    started = anyio.Event()
+
+    async def wait() -> str:
+        """Wait."""
+        started.set()
+        await anyio.sleep_forever()
+        return ""
+
+    async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
+        agent = await rt.spawn("c", tools=[wait], max_tokens=120)
+        used = (await rt.stats()).pool.used_blocks
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: agent.ask("Go.", tool_choice="required"))
+            await started.wait()
+            tg.cancel_scope.cancel()
+        assert agent.history == () and agent.cached_tokens == 0
+        assert (await rt.stats()).pool.used_blocks == used
+
+
+@pytest.mark.anyio
+async def test_max_tool_rounds_ends_the_turn_with_the_calls_not_run(tiny_dir: Path) -> None:
+    CALLS.clear()
+    async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
+        agent = await rt.spawn("calc", tools=[add], max_tokens=120, max_tool_rounds=0)
+        reply = await agent.ask("2 + 3?", tool_choice="required")
+        assert reply.finish_reason == "tool_calls" and reply.tool_calls == ()
+        assert CALLS == []
+        assert agent.history[-1].tool_calls[0].name == "add"
+        with pytest.raises(InvalidRequestError, match="tool_choice"):
+            await agent.ask("2 + 3?", tool_choice="multiply")
+        plain = await rt.spawn("plain")
+        with pytest.raises(InvalidRequestError, match="needs tools"):
+            await plain.ask("2 + 3?", tool_choice="required")
+
+
+@pytest.mark.anyio
+async def test_a_schema_reply_after_tool_calls(model: Loaded) -> None:
+    class Answer(pydantic.BaseModel):
+        value: int
+
+    async with Runtime(model.path, pool_blocks=200, log_level="off") as rt:
+        agent = await rt.spawn("calc", tools=[add], max_tokens=120)
+        # After the required call, the reply may be a call or the answer: the bias on
+        # "<" makes this model answer.
+        reply = await agent.ask(
+            "2 + 3?", tool_choice="required", schema=Answer, logit_bias={ord("<"): -30}
+        )
+        assert [c.name for c in reply.tool_calls] == ["add"]
+        assert isinstance(reply.data, Answer)
+        assert reply.data == Answer.model_validate_json(reply.text)
+
+
+@pytest.mark.anyio
+async def test_tool_turns_stream_every_round(tiny_dir: Path) -> None:
+    async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
+        agent = await rt.spawn("calc", tools=[add], max_tokens=120)
+        async with agent.stream("2 + 3?", tool_choice="required") as pieces:
+            text = "".join([piece async for piece in pieces])
+        call_text = agent.history[1].content
+        assert text == call_text + pieces.reply.text
+        assert json.loads(call_text.split("\n")[1])["name"] == "add"
+
+
+@pytest.mark.anyio
+async def test_a_tool_conversation_survives_a_restart(model: Loaded, tmp_path: Path) -> None:
+    async with Runtime(model.path, pool_blocks=200, log_level="off", state_dir=tmp_path) as rt:
+        agent = await rt.spawn("calc", system="Use the tools.", tools=[add], max_tokens=120)
+        await agent.ask("What is 2 + 3?", tool_choice="required")
+        history = agent.history
+    async with Runtime(model.path, pool_blocks=200, log_level="off", state_dir=tmp_path) as rt:
+        agent = rt.agent("calc")
+        assert agent.history == history
+        assert [t.name for t in agent.tools] == ["add"] and agent.tools[0].function is None
+        failed = await agent.ask("Again?", tool_choice="add")  # no function in this process
+        assert "no function" in (failed.tool_calls[0].error or "")
+        agent.use_tools([add])
+        reply = await agent.ask("And 4 + 4?")
+        prompt = final_prompt(model, agent, len(agent.history) - 2)
+        eos = model.tokenizer.eos_token_ids
+        assert list(reply.tokens) == reference(model.model, prompt, 120, stop=eos)
+        assert reply.usage.cached_tokens > 0
+
+
+@pytest.mark.smollm
+@pytest.mark.anyio
+async def test_the_default_model_calls_a_real_tool_and_reads_its_result() -> None:
+    """SmolLM2-135M's template knows nothing of tools: it is told of them in its system
+    prompt; required, its first reply is a call; it then answers from the result."""
+    cities: list[str] = []
+
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city.
+
+        Args:
+            city: the city's name.
+        """
+        cities.append(city)
+        return f"It is sunny and 21 degrees in {city}."
+
+    async with Runtime(log_level="off") as rt:
+        agent = await rt.spawn("assistant", tools=[get_weather], max_tokens=64)
+        reply = await agent.ask("What is the weather like in Paris?", tool_choice="required")
+        assert cities == ["Paris"]
+        assert reply.tool_calls[0].result == "It is sunny and 21 degrees in Paris."
+        assert "sunny" in reply.text and "21 degrees" in reply.text
+    default = load_model()
+    loaded = Loaded(default.path, default.model, default.tokenizer, None)  # type: ignore[arg-type]
+    prompt = final_prompt(loaded, agent, 3)
+    eos = default.tokenizer.eos_token_ids
+    assert list(reply.tokens) == reference(default.model, prompt, 64, stop=eos)
+
+
+@pytest.mark.anyio
+async def test_a_tool_conversation_is_evicted_and_comes_back_exactly(model: Loaded) -> None:
+    async with Runtime(model.path, pool_blocks=20, log_level="off") as rt:
+        agent = await rt.spawn("calc", tools=[add], max_tokens=120)
+        other = await rt.spawn("other", tools=[add], max_tokens=120)
+        await agent.ask("What is 2 + 3?", tool_choice="required")
+        await other.ask("What is 5 + 8?", tool_choice="required")  # pushes calc out
+        assert agent.statistics().on_disk
+        reply = await agent.ask("And 4 + 4?")
+        stats = await rt.stats()
+        assert stats.evictions >= 1 and stats.restores >= 1
+        prompt = final_prompt(model, agent, len(agent.history) - 1)
+        eos = model.tokenizer.eos_token_ids
+        assert list(reply.tokens) == reference(model.model, prompt, 120, stop=eos)
+        assert reply.usage.cached_tokens > 0
