@@ -12,7 +12,7 @@ import sys
 
 import anyio
 
-from mlx_actors import Runtime
+from mlx_actors import Runtime, gather
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "-" else None
 TRACE = sys.argv[2] if len(sys.argv) > 2 else None
@@ -31,16 +31,10 @@ async def main() -> None:
             )
             for i in range(8)
         ]
-        answers: dict[str, str] = {}
-
-        async def ask(agent) -> None:  # type: ignore[no-untyped-def]
-            answers[agent.name] = (await agent.ask(QUESTION)).text
-
-        async with anyio.create_task_group() as tg:
-            for agent in panel:
-                tg.start_soon(ask, agent)
-        for name in sorted(answers):
-            print(f"{name}: {answers[name]}")
+        replies = await gather(*(agent.ask(QUESTION) for agent in panel))  # one batch
+        answers = {agent.name: reply.text for agent, reply in zip(panel, replies)}
+        for name, text in answers.items():
+            print(f"{name}: {text}")
 
         judge = await rt.spawn("judge", system="You are a fair judge. Be brief.", max_tokens=96)
         summary = await judge.ask(

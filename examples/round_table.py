@@ -1,4 +1,5 @@
-"""Four agents in a group chat: each hears what the others said since it last spoke.
+"""Four agents in a group chat: each is told what the others say (``tell``: no reply, its
+tokens prefilled with the agent's next turn) and speaks in turn.
 
 python examples/round_table.py [MODEL]
 """
@@ -24,16 +25,17 @@ async def main() -> None:
         agents = [
             await rt.spawn(name, system=system, max_tokens=48) for name, system in PEOPLE.items()
         ]
-        transcript = [("host", "What would make our town a better place to live?")]
-        heard = {agent.name: 0 for agent in agents}  # how much of the transcript each has heard
-        print(f"host: {transcript[0][1]}")
+        question = "host: What would make our town a better place to live?"
+        print(question)
+        for agent in agents:
+            await agent.tell(question)  # everyone hears the host
         for _ in range(2):
             for agent in agents:
-                news = "\n".join(f"{who}: {said}" for who, said in transcript[heard[agent.name] :])
-                reply = await agent.ask(news)
-                transcript.append((agent.name, reply.text))
-                heard[agent.name] = len(transcript)
+                reply = await agent.ask(f"Your turn, {agent.name}.")
                 print(f"{agent.name}: {reply.text}")
+                for other in agents:  # the others hear it: no reply, no turn
+                    if other is not agent:
+                        await other.tell(f"{agent.name}: {reply.text}")
 
 
 if __name__ == "__main__":

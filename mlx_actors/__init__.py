@@ -17,6 +17,7 @@ from .actors import Tool as Tool
 from .actors import ToolCall as ToolCall
 from .actors import TurnSettings as TurnSettings
 from .actors import TurnStream as TurnStream
+from .actors import gather as gather
 from .actors import tool as tool
 from .runtime import Runtime as Runtime
 from .runtime import RuntimeStatistics as RuntimeStatistics

@@ -15,7 +15,7 @@ import jsonschema
 import pydantic
 import pytest
 
-from mlx_actors import Runtime, Tool, tool
+from mlx_actors import Message, Runtime, Tool, tool
 from mlx_actors.actors import as_tools
 from mlx_actors.actors._tool_format import tool_format
 from mlx_actors.errors import InvalidRequestError, TurnTimeoutError
@@ -122,7 +122,7 @@ def test_calls_are_read_from_text_in_order(tiny: Loaded) -> None:
         "<tool_call>{not json</tool_call>"
     )
     first, second, broken = fmt.calls(text, "c", as_tools([add]))
-    assert (first.id, first.name, dict(first.arguments)) == ("c0", "add", {"a": 1, "b": 2})
+    assert (first.name, dict(first.arguments)) == ("add", {"a": 1, "b": 2})
     assert (second.name, dict(second.arguments)) == ("add", {"a": 3, "b": 4})
     assert broken.error is not None and "could not be read" in broken.error
     assert fmt.before_calls(text) == "Let me see."
@@ -367,3 +367,88 @@ async def test_a_tool_conversation_is_evicted_and_comes_back_exactly(model: Load
         eos = model.tokenizer.eos_token_ids
         assert list(reply.tokens) == reference(model.model, prompt, 120, stop=eos)
         assert reply.usage.cached_tokens > 0
+
+
+# -- found in review ---------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_agents_between_tool_rounds_never_make_others_wait_forever(tiny_dir: Path) -> None:
+    """Two agents in a round of calls at once, in a pool with room for one more round:
+    the one that finds no room is refused at once (nothing it could wait for is in the
+    engine), the other finishes; nothing hangs and every block comes back."""
+    both = anyio.Event()
+    waiting: list[str] = []
+
+    async def meet(who: str) -> str:
+        """Wait for the other agent."""
+        waiting.append(who)
+        if len(waiting) == 2:
+            both.set()
+        await both.wait()
+        return "met"
+
+    async with Runtime(tiny_dir, pool_blocks=14, log_level="off") as rt:
+        agents = [await rt.spawn(n, tools=[meet], max_tokens=120) for n in ("a", "b")]
+        outcomes: dict[str, str] = {}
+
+        async def go(agent: Any) -> None:
+            try:
+                await agent.ask("Meet?", tool_choice="meet")
+                outcomes[agent.name] = "ok"
+            except Exception as exc:
+                outcomes[agent.name] = type(exc).__name__
+
+        with anyio.fail_after(60):  # a hang fails the test instead of stalling the suite
+            async with anyio.create_task_group() as tg:
+                for agent in agents:
+                    tg.start_soon(go, agent)
+        assert sorted(outcomes.values()) in (
+            ["PoolExhaustedError"] * 2,
+            ["PoolExhaustedError", "ok"],
+        )
+        stats = await rt.stats()
+        assert stats.turns_in_flight == 0
+        assert stats.pool.used_blocks == sum(a.statistics().cached_blocks for a in agents)
+
+
+def test_call_ids_are_nine_letters_and_digits(tiny: Loaded) -> None:
+    calls = tool_format(tiny.tokenizer).calls(
+        '<tool_call>{"name": "add", "arguments": {}}</tool_call>' * 3, ("a", 0, 0), ()
+    )
+    assert len({c.id for c in calls}) == 3
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+
+
+def test_a_cut_call_is_not_shown_as_a_call_the_model_never_made(native_dir: Path) -> None:
+    fmt = tool_format(load(native_dir).tokenizer)
+    assert fmt.native
+    text = '<tool_call>\n{"name": "add", "a'
+    message = Message(role="assistant", content=text, tool_calls=fmt.calls(text, "k", ()))
+    assert message.tool_calls[0].error is not None
+    conversation, _ = fmt.conversation(None, [message], as_tools([add]))
+    assert conversation == [{"role": "assistant", "content": text}]
+
+
+@pytest.mark.anyio
+async def test_tool_arguments_with_models_and_the_choice_checked_everywhere(tiny_dir: Path) -> None:
+    drawn: list[list[Point]] = []
+
+    def draw(points: list[Point]) -> int:
+        """Draw points."""
+        drawn.append(points)
+        return len(points)
+
+    async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
+        agent = await rt.spawn("d", tools=[draw], max_tokens=200)
+        reply = await agent.ask("Draw.", tool_choice="required")  # the $defs resolve
+        assert reply.tool_calls[0].error is None
+        assert all(isinstance(p, Point) for p in drawn[0])
+        for bad in ({"tool_choice": "add"}, {"tool_choice": " "}, {"tool_choice": "required"}):
+            with pytest.raises(InvalidRequestError):
+                await rt.spawn("bad", **bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError):
+            await agent.fork("child", tool_choice="add")
+        picky = await rt.spawn("p", tools=[draw], tool_choice="draw")
+        with pytest.raises(InvalidRequestError):
+            picky.use_tools([add])  # its default choice names a tool it would lose

@@ -15,9 +15,11 @@ from ._agent import check_text as check_text
 from ._reply import Message as Message
 from ._reply import Reply as Reply
 from ._reply import TurnStream as TurnStream
+from ._together import gather as gather
 from ._tools import Tool as Tool
 from ._tools import ToolCall as ToolCall
 from ._tools import as_tools as as_tools
 from ._tools import check_parameters as check_parameters
+from ._tools import check_tool_choice as check_tool_choice
 from ._tools import check_tool_name as check_tool_name
 from ._tools import tool as tool

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import json
 import math
 import re
 import time
@@ -12,6 +14,7 @@ from typing import Any, Literal, Protocol
 
 import anyio
 import attrs
+import jinja2
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from typing_extensions import TypedDict, Unpack
@@ -38,7 +41,7 @@ from ..scheduler import (
 from ._render import Renderer, Rendering, renderer_for
 from ._reply import Message, Reply, TurnStream
 from ._tool_format import ToolFormat, tool_format
-from ._tools import Tool, ToolCall, as_tools, run_call
+from ._tools import Tool, ToolCall, as_tools, check_tool_choice, named_tools, run_call
 
 #: Conversations of fewer characters are rendered on the event loop (under two milliseconds
 #: on a small CPU); longer ones on a worker thread, so that the loop never waits on them.
@@ -191,9 +194,11 @@ class Envelope:
     """A request in an agent's mailbox, and the caller's handle on its outcome."""
 
     agent: Agent
-    kind: Literal["ask", "reset", "fork"]
+    kind: Literal["ask", "reset", "fork", "tell"]
     text: str = ""
     options: TurnOptions | None = None
+    #: ``tell``'s message.
+    message: Message | None = None
     #: What the reply must be (``ask(schema=...)``), and its grammar.
     schema: Any = None
     grammar: str | None = None
@@ -322,6 +327,8 @@ class Agent:
         self.options = options
         self._tools = tuple(tools)
         self._format: ToolFormat | None = None
+        #: Grammars of required calls and tool-or-answer replies, compiled once each.
+        self._grammars: dict[tuple[tuple[Tool, ...], str], str] = {}
         self._scheduler = scheduler
         self._renderer: Renderer = renderer_for(scheduler.tokenizer)
         #: The last rendering of the conversation: the next one encodes only what changed.
@@ -370,7 +377,9 @@ class Agent:
         again). The conversation is rendered with the new tools, so a turn after a
         change that alters their descriptions prefills the conversation again."""
         self._check_loop()
-        self._tools = as_tools(tools)
+        made = as_tools(tools)
+        check_tool_choice(self.options.tool_choice, made)
+        self._tools = made
 
     def statistics(self) -> AgentStatistics:
         mailbox = self._mailbox.statistics()
@@ -439,6 +448,27 @@ class Agent:
         envelope = self._envelope(text, timeout, settings, schema=schema)
         envelope.push, envelope.pieces = anyio.create_memory_object_stream[str](math.inf)
         return TurnStream(envelope)
+
+    async def tell(self, text: str, *, role: Literal["user", "assistant"] = "user") -> None:
+        """Add a message to the conversation without a reply, after the requests already
+        in the mailbox: what other agents said, a document, a correction. Nothing runs
+        through the model now; its tokens are prefilled with the next turn.
+
+        ``role="assistant"`` puts words in the agent's own mouth. Two messages of the
+        same role in a row are kept as they are; a chat template that insists on
+        alternating roles refuses the next turn (``InvalidRequestError``).
+
+        Raises:
+            InvalidRequestError: empty or non-string text, another role.
+            AgentClosedError: the agent was closed.
+            StateWriteError: the message could not be saved (it was not added).
+        """
+        if role not in ("user", "assistant"):
+            raise InvalidRequestError(f"role must be 'user' or 'assistant', got {role!r}")
+        envelope = self._envelope(text, None, {}, kind="tell")
+        envelope.message = Message(role=role, content=envelope.text)
+        await envelope.send()
+        await envelope.outcome()
 
     async def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and free the cache, after
@@ -514,7 +544,7 @@ class Agent:
         text: object,
         timeout: float | None,
         settings: Mapping[str, Any],
-        kind: Literal["ask", "fork"] = "ask",
+        kind: Literal["ask", "fork", "tell"] = "ask",
         schema: Any = None,
     ) -> Envelope:
         if self._closing is not None:
@@ -528,8 +558,8 @@ class Agent:
         ):
             raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         options = self.options.override(**settings)
-        if kind == "ask":
-            self._check_tool_choice(options.tool_choice)
+        if kind in ("ask", "fork"):
+            check_tool_choice(options.tool_choice, self._tools)
         grammar = schema_grammar(schema) if schema is not None else None
         return Envelope(
             agent=self,
@@ -600,6 +630,8 @@ class Agent:
                         await self._reset()
                     elif envelope.kind == "fork":
                         await self._fork(envelope)
+                    elif envelope.kind == "tell":
+                        await self._tell(envelope)
                     else:
                         await self._turn(envelope)
                     envelope.completed = True
@@ -621,7 +653,8 @@ class Agent:
         seed = options.seed
         if seed is not None and self.options.seed == seed:
             seed = (seed + self._turns) % SEEDS  # each of the agent's turns its own stream
-        tools = {t.name: t for t in self._tools} if options.tool_choice != "none" else {}
+        agent_tools = self._tools  # as they are now: use_tools() changes the next turn
+        tools = {t.name: t for t in agent_tools} if options.tool_choice != "none" else {}
         ran: list[ToolCall] = []
         usage: Usage | None = None
         ttft = 0.0
@@ -630,11 +663,11 @@ class Agent:
             for rounds in itertools.count():
                 turn = Turn(
                     agent=self.name,
-                    tokens=await self._tokens(messages),
+                    tokens=await self._tokens(messages, agent_tools),
                     max_tokens=options.max_tokens,
                     sampling=options.sampling(seed if rounds == 0 else _round_seed(seed, rounds)),
                     stop=options.stop,
-                    grammar=self._grammar(envelope, options, first=rounds == 0),
+                    grammar=await self._grammar(envelope, options, agent_tools, rounds == 0),
                     on_text=_pusher(envelope.push) if envelope.push is not None else None,
                 )
                 result = await self._scheduler.run_turn(
@@ -643,8 +676,8 @@ class Agent:
                 if usage is None:
                     ttft = result.submitted_at + result.ttft_s - started
                 usage = _add_usage(usage, result.usage)
-                prefix = f"call_{self._turns}_{rounds}_"
-                calls = self._tool_format().calls(result.text, prefix, self._tools) if tools else ()
+                key = (self.name, self._turns, rounds)
+                calls = self._tool_format().calls(result.text, key, agent_tools) if tools else ()
                 if not calls or rounds >= options.max_tool_rounds:
                     break
                 self._scheduler.commit(self.name, result.blocks, hold=True)
@@ -709,54 +742,61 @@ class Agent:
             total_s=time.perf_counter() - started,
         )
 
-    async def _tokens(self, messages: list[Message]) -> list[int]:
+    async def _tokens(self, messages: list[Message], tools: Sequence[Tool]) -> list[int]:
         """The conversation rendered as the model reads it: on the event loop when it is
-        short and the tokenizer is free, else on a worker thread."""
+        short and the tokenizer is free, else on a worker thread.
+
+        Raises:
+            InvalidRequestError: the chat template refused the conversation.
+        """
         lock = self._scheduler.tokenizer_lock
-        short = sum(len(m.content) for m in messages) + len(self.system or "") < RENDER_ON_LOOP
-        if short and lock.acquire(blocking=False):  # quick, and the tokenizer is free
-            try:
-                return self._render(messages, locked=True)
-            finally:
-                lock.release()
-        return await anyio.to_thread.run_sync(self._render, messages, abandon_on_cancel=True)
+        size = sum(len(m.content) for m in messages) + len(self.system or "")
+        size += sum(len(json.dumps(t.spec())) for t in tools)
+        try:
+            if size < RENDER_ON_LOOP and lock.acquire(blocking=False):  # quick, and free
+                try:
+                    return self._render(messages, tools, locked=True)
+                finally:
+                    lock.release()
+            return await anyio.to_thread.run_sync(
+                functools.partial(self._render, messages, tools), abandon_on_cancel=True
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(
+                f"the model's chat template refused the conversation: {exc}"
+            ) from None
 
     def _tool_format(self) -> ToolFormat:
         if self._format is None:
             self._format = tool_format(self._scheduler.tokenizer)
         return self._format
 
-    def _grammar(self, envelope: Envelope, options: TurnOptions, *, first: bool) -> str | None:
+    async def _grammar(
+        self, envelope: Envelope, options: TurnOptions, tools: tuple[Tool, ...], first: bool
+    ) -> str | None:
         """What a round's reply must follow: a call on the first round when one is
-        required; with ``schema``, the answer (or, with tools, a call or the answer)."""
+        required; with ``schema``, the answer (or, with tools, a call or the answer).
+        Compiled once per tools, choice and schema, on a worker thread."""
         choice = options.tool_choice
-        if not self._tools or choice == "none":
+        if not tools or choice == "none":
             return envelope.grammar
         if first and choice != "auto":
-            chosen = self._tools if choice == "required" else self._named_tool(choice)
-            return self._tool_format().call_grammar(chosen, None)
-        if envelope.schema is None:
+            chosen = tools if choice == "required" else named_tools(choice, tools)
+            answer = None
+        elif envelope.schema is None:
             return None
-        return self._tool_format().call_grammar(self._tools, json_schema(envelope.schema))
-
-    def _check_tool_choice(self, choice: str) -> None:
-        if choice in ("auto", "none"):
-            return
-        if not self._tools:
-            raise InvalidRequestError(
-                f"tool_choice={choice!r} needs tools, and agent {self.name!r} has none"
+        else:
+            chosen, answer = tools, json_schema(envelope.schema)
+        key = (chosen, json.dumps(answer, sort_keys=True))
+        grammar = self._grammars.get(key)
+        if grammar is None:
+            grammar = await anyio.to_thread.run_sync(
+                self._tool_format().call_grammar, chosen, answer
             )
-        if choice != "required":
-            self._named_tool(choice)
-
-    def _named_tool(self, name: str) -> tuple[Tool, ...]:
-        chosen = tuple(t for t in self._tools if t.name == name)
-        if not chosen:
-            raise InvalidRequestError(
-                f"tool_choice {name!r} is not 'auto', 'required', 'none' or one of the "
-                f"agent's tools {[t.name for t in self._tools]}"
-            )
-        return chosen
+            if len(self._grammars) >= 16:
+                self._grammars.clear()
+            self._grammars[key] = grammar
+        return grammar
 
     async def _save_undo(self) -> bool:
         """Save the agent as it was before a turn its caller gave up on; ``False`` if
@@ -781,6 +821,22 @@ class Agent:
                 return
         envelope.forked = child
 
+    async def _tell(self, envelope: Envelope) -> None:
+        assert envelope.message is not None
+        before = self._messages
+        self._messages = [*before, envelope.message]
+        if self._keeper is not None:
+            with anyio.CancelScope(shield=True):  # short, and must not stop half-way
+                try:
+                    await self._keeper.changed(self)
+                except BaseException:
+                    self._messages = before
+                    raise
+                if envelope.cancelled:  # the caller gave up: as if never told
+                    after, self._messages = self._messages, before
+                    if not await self._save_undo():
+                        self._messages = after
+
     async def _reset(self) -> None:
         before = self._messages
         self._messages, self._cached_tokens, self._cached_blocks = [], 0, 0
@@ -793,15 +849,15 @@ class Agent:
                     self._messages = before  # as the state directory still has it
                     raise
 
-    def _render(self, messages: list[Message], *, locked: bool = False) -> list[int]:
+    def _render(
+        self, messages: list[Message], tools: Sequence[Tool], *, locked: bool = False
+    ) -> list[int]:
         """The conversation as the model reads it, under the tokenizer's lock (it is
         not thread-safe; ``locked``: the caller holds it). Only what changed since the
         last rendering is tokenised again."""
         extra: dict[str, Any] = {}
-        if self._tools or any(m.role == "tool" or m.tool_calls for m in messages):
-            conversation, extra = self._tool_format().conversation(
-                self.system, messages, self._tools
-            )
+        if tools or any(m.role == "tool" or m.tool_calls for m in messages):
+            conversation, extra = self._tool_format().conversation(self.system, messages, tools)
         else:
             system = [Message(role="system", content=self.system)] if self.system else []
             conversation = [m.as_dict() for m in (*system, *messages)]

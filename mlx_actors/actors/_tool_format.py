@@ -12,7 +12,9 @@ it wrote and the results given back as a user message of ``<tool_response>`` blo
 
 from __future__ import annotations
 
+import hashlib
 import json
+import string
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -89,7 +91,10 @@ class ToolFormat:
                 "name": message.name,
                 "tool_call_id": message.tool_call_id,
             }
-        if message.role == "assistant" and message.tool_calls:
+        # A call that could not be read (cut by max_tokens, say) is not shown as a call
+        # the model never made: the text it wrote stays.
+        calls = [c for c in message.tool_calls if c.error is None]
+        if message.role == "assistant" and calls:
             return {
                 "role": "assistant",
                 "content": self.before_calls(message.content),
@@ -99,19 +104,20 @@ class ToolFormat:
                         "type": "function",
                         "function": {"name": c.name, "arguments": dict(c.arguments)},
                     }
-                    for c in message.tool_calls
+                    for c in calls
                 ],
             }
-        return message.as_dict()
+        return {"role": message.role, "content": message.content}
 
     def before_calls(self, text: str) -> str:
         """The reply's text before its first call."""
         at = text.find(self.start)
         return text if at < 0 else text[:at].rstrip()
 
-    def calls(self, text: str, prefix: str, tools: Sequence[Tool]) -> tuple[ToolCall, ...]:
-        """The calls written in ``text``, with ids ``prefix`` + their number. A call
-        that cannot be read is one with an ``error``, which the model is shown."""
+    def calls(self, text: str, key: object, tools: Sequence[Tool]) -> tuple[ToolCall, ...]:
+        """The calls written in ``text``, with ids made from ``key`` and their number
+        (:func:`call_id`). A call that cannot be read is one with an ``error``, which
+        the model is shown."""
         found: list[ToolCall] = []
         at = text.find(self.start)
         specs = [t.spec() for t in tools]
@@ -129,12 +135,12 @@ class ToolFormat:
                     if not isinstance(name, str) or not isinstance(arguments, Mapping):
                         raise ValueError("a call needs a name and an arguments object")
                     found.append(
-                        ToolCall(id=f"{prefix}{len(found)}", name=name, arguments=arguments)
+                        ToolCall(id=call_id(key, len(found)), name=name, arguments=arguments)
                     )
             except Exception as exc:
                 found.append(
                     ToolCall(
-                        id=f"{prefix}{len(found)}",
+                        id=call_id(key, len(found)),
                         name="",
                         error=f"the call {body.strip()[:200]!r} could not be read: {exc}",
                     )
@@ -152,24 +158,38 @@ class ToolFormat:
                 f"this model writes tool calls as {self.start}...{self.end}, not as JSON "
                 "objects: a call cannot be required of it (tool_choice='auto' works)"
             )
-        options = [
-            {
+        start, end = json.dumps(f"{self.start}\n"), json.dumps(f"\n{self.end}")
+        names = " | ".join(f"call_{i}" for i in range(len(tools)))
+        grammar = f"start: {start} call {end}\ncall: {names}\n"
+        for i, t in enumerate(tools):
+            # Each tool's call is a schema of its own, so that the ``$defs`` of its
+            # arguments (pydantic's, for a model or an Enum) resolve from its root.
+            arguments = {k: v for k, v in t.parameters.items() if k != "$defs"}
+            call = {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": dict(t.parameters)},
+                "properties": {"name": {"const": t.name}, "arguments": arguments},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
+                "x-guidance": _AS_TEMPLATES_WRITE,
             }
-            for t in tools
-        ]
-        call = {"anyOf": options, "x-guidance": _AS_TEMPLATES_WRITE}
-        start, end = json.dumps(f"{self.start}\n"), json.dumps(f"\n{self.end}")
-        grammar = f"start: {start} call {end}\n"
-        grammar += f"call: %json {json.dumps(call)}\n"
+            if "$defs" in t.parameters:
+                call["$defs"] = t.parameters["$defs"]
+            grammar += f"call_{i}: %json {json.dumps(call)}\n"
         if answer is not None:
             grammar = grammar.replace("start: ", "start: answer | ", 1)
             schema = {**answer, "x-guidance": {"whitespace_flexible": False}}  # as schema=
             grammar += f"answer: %json {json.dumps(schema)}\n"
         return check_grammar(grammar, "the tools' schemas")
+
+
+def call_id(*parts: object) -> str:
+    """Nine letters and digits, the same for the same ``parts``: an id every template
+    takes (Mistral's insist on exactly nine alphanumerics)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+    return "".join(_ALNUM[b % len(_ALNUM)] for b in digest[:9])
+
+
+_ALNUM = string.ascii_letters + string.digits
 
 
 def tool_format(tokenizer: Any) -> ToolFormat:

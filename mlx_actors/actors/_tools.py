@@ -13,7 +13,7 @@ import functools
 import inspect
 import json
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -137,6 +137,28 @@ def as_tools(tools: Iterable[Callable[..., Any] | Tool] | None) -> tuple[Tool, .
     if twice:
         raise InvalidRequestError(f"tool names must be distinct; {twice} appear twice")
     return made
+
+
+def check_tool_choice(choice: str, tools: Sequence[Tool]) -> None:
+    """Raise :class:`InvalidRequestError` unless ``choice`` is a ``tool_choice`` that
+    ``tools`` allow: ``"auto"``, ``"none"``, or, with tools, ``"required"`` or one's name."""
+    if choice in ("auto", "none"):
+        return
+    if not tools:
+        raise InvalidRequestError(f"tool_choice={choice!r} needs tools, and there are none")
+    if choice != "required":
+        named_tools(choice, tools)
+
+
+def named_tools(name: str, tools: Sequence[Tool]) -> tuple[Tool, ...]:
+    """The tool called ``name``, as a one-tool tuple."""
+    chosen = tuple(t for t in tools if t.name == name)
+    if not chosen:
+        raise InvalidRequestError(
+            f"tool_choice {name!r} is not 'auto', 'required', 'none' or one of the tools "
+            f"{[t.name for t in tools]}"
+        )
+    return chosen
 
 
 def check_tool_name(name: object) -> str:

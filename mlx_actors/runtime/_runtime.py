@@ -24,6 +24,7 @@ from ..actors import (
     as_tools,
     check_name,
     check_text,
+    check_tool_choice,
 )
 from ..errors import (
     AgentClosedError,
@@ -448,6 +449,7 @@ class Runtime:
         system: str | None = None,
         mailbox_size: int | None = None,
         tools: Sequence[Callable[..., Any] | Tool] | None = None,
+        history: Sequence[Message | Mapping[str, str]] = (),
         **settings: Unpack[TurnSettings],
     ) -> Agent:
         """Start an agent.
@@ -460,6 +462,10 @@ class Runtime:
             tools: functions (sync or async) or :class:`Tool` s the agent may call:
                 each ``ask`` then runs the calls the model writes and gives it their
                 results until it answers (``tool_choice``, ``max_tool_rounds``).
+            history: a conversation to start from (``Message`` s, or mappings with
+                ``role``, ``"user"`` or ``"assistant"``, and ``content``): examples of
+                the replies wanted, or a dialogue carried over. Its tokens are
+                prefilled with the first turn.
             settings: the agent's defaults for its turns (:class:`TurnSettings`:
                 ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``...);
                 each ``ask`` can override them. The defaults decode greedily.
@@ -474,6 +480,8 @@ class Runtime:
             raise InvalidRequestError(f"mailbox_size must be a positive int, got {mailbox_size!r}")
         options = TurnOptions().override(**settings)
         agent_tools = as_tools(tools)
+        check_tool_choice(options.tool_choice, agent_tools)
+        seeded = [self._seed_message(m) for m in history]
         await self._name_free(name)
         self.check_new_name(name)
         agent = await self._start_agent(
@@ -482,10 +490,26 @@ class Runtime:
             options=options,
             mailbox_size=mailbox_size,
             tools=agent_tools,
+            messages=seeded,
         )
         await self._first_save(agent)
         self.log.info("agent.spawned", agent=name)
         return agent
+
+    def _seed_message(self, message: Message | Mapping[str, str]) -> Message:
+        if isinstance(message, Message):
+            role, content = message.role, message.content
+        elif isinstance(message, Mapping) and set(message) == {"role", "content"}:
+            role, content = message["role"], message["content"]
+        else:
+            raise InvalidRequestError(
+                f"history takes Messages or {{'role': ..., 'content': ...}}, got {message!r}"
+            )
+        if role not in ("user", "assistant"):
+            raise InvalidRequestError(f"history roles are 'user' or 'assistant', got {role!r}")
+        return Message(
+            role=role, content=check_text("content", content, self._scheduler.max_text_chars)
+        )
 
     async def _first_save(self, agent: Agent) -> None:
         """Save a new agent (``persist="turn"``); if that fails, it never existed."""

@@ -85,6 +85,8 @@ class AgentRecord:
                 }
                 for t in data.get("tools", [])
             ]
+            if len({t["name"] for t in tools}) != len(tools):
+                raise ValueError("two tools have the same name")
             name = check_name(data["name"])
             if path.stem != name:
                 raise ValueError(f"it names the agent {name!r}")

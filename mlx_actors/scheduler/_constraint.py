@@ -101,14 +101,20 @@ def parse_reply(text: str, schema: object) -> Any:
     """The reply's value: parsed JSON, or an instance of ``schema`` if it is a pydantic
     model class (:class:`ReplyFormatError` if the text is not a whole value)."""
     try:
-        if is_model_class(schema):
-            return schema.model_validate_json(text)  # type: ignore[attr-defined]
-        return json.loads(text)
-    except ValueError as exc:  # json's and pydantic's errors are ValueErrors
+        value = json.loads(text)
+    except ValueError:
         raise ReplyFormatError(
-            f"the reply is not a complete value of its schema ({exc.__class__.__name__}); "
-            "it was cut by max_tokens or a stop string: raise max_tokens or bound the "
-            "schema (maxLength, maxItems)",
+            "the reply is not a complete value of its schema: it was cut by max_tokens or "
+            "a stop string; raise max_tokens or bound the schema (maxLength, maxItems)",
+            text=text,
+        ) from None
+    if not is_model_class(schema):
+        return value
+    try:
+        return schema.model_validate_json(text)  # type: ignore[attr-defined]
+    except ValueError as exc:  # a validator of the model refused the value
+        raise ReplyFormatError(
+            f"the reply's value does not validate as {schema.__name__}: {exc}",  # type: ignore[attr-defined]
             text=text,
         ) from None
 

@@ -248,8 +248,11 @@ class EngineLoop:
         )
 
     def _others_busy(self, agent: str) -> bool:
-        """Whether another agent's turn is in flight (it will free or release blocks)."""
-        return any(e.busy_or_holding() for name, e in self.agents.items() if name != agent)
+        """Whether another agent's turn is in the engine (it will free or release blocks
+        when it finishes). An agent between rounds of tool calls does not count: its
+        next round may wait on the very room a waiting turn wants, or its tool on that
+        turn, so waiting for it could wait forever."""
+        return any(e.busy for name, e in self.agents.items() if name != agent)
 
     def _try_admit(self, turn: Turn, image: CacheImage | None) -> PoolExhaustedError | None:
         """Admit ``turn``, or answer it (refused, or its cache to read back); or, when
@@ -438,8 +441,8 @@ class EngineLoop:
         from the parent's files)."""
         parent = self._entry(command.parent)
         stale = self.agents.get(command.child)
-        if stale is not None and stale.blocks is not None:  # never leak what it held
-            self.pool.free(stale.blocks.blocks())
+        if stale is not None:  # never leak what it held
+            self._free_entry(stale)
         child = self.agents[command.child] = _Entry(
             tokens=parent.tokens,
             blocks=self.engine.share(parent.blocks) if parent.blocks is not None else None,

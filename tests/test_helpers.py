@@ -1,0 +1,115 @@
+"""What multi-agent scripts need besides ask: telling an agent something without a turn,
+seeding a conversation, and asking several agents at once (``gather``), on both
+backends; each reply compared with mlx-lm's own on the rendered conversation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from mlx_actors import Message, Runtime, gather
+from mlx_actors.errors import InvalidRequestError
+from mlx_actors.testing import tiny_config, write_random_model
+
+from .conftest import Loaded, reference, render
+
+#: ChatML that refuses two messages of one role in a row, as Gemma's template does.
+ALTERNATING = (
+    "{% for m in messages %}"
+    "{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{ raise_exception('roles must alternate') }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def expected(model: Loaded, agent: object, max_tokens: int) -> list[int]:
+    """mlx-lm's greedy reply to the agent's conversation before its last reply."""
+    history = list(agent.history)[:-1]  # type: ignore[attr-defined]
+    return reference(model.model, render(model.tokenizer, history), max_tokens, stop=[258])
+
+
+@pytest.mark.anyio
+async def test_tell_adds_a_message_that_the_next_turn_reads(tiny: Loaded, tmp_path: Path) -> None:
+    async with Runtime(tiny.path, pool_blocks=200, log_level="off", state_dir=tmp_path) as rt:
+        bob = await rt.spawn("bob", system="You listen.", max_tokens=12)
+        await bob.ask("Hello.")
+        cached = bob.cached_tokens
+        await bob.tell("Ann said: we should build it.")
+        await bob.tell("I agree with Ann.", role="assistant")
+        assert bob.cached_tokens == cached  # nothing ran through the model
+        assert [m.role for m in bob.history] == [
+            "system",
+            *("user", "assistant", "user", "assistant"),
+        ]
+        reply = await bob.ask("What do you think?")
+        assert list(reply.tokens) == expected(tiny, bob, 12)
+        assert reply.usage.cached_tokens > 0  # the told messages alone were new
+        with pytest.raises(InvalidRequestError):
+            await bob.tell("x", role="system")  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError):
+            await bob.tell("   ")
+        history = bob.history
+    async with Runtime(tiny.path, pool_blocks=200, log_level="off", state_dir=tmp_path) as rt:
+        assert rt.agent("bob").history == history  # told messages are kept
+
+
+@pytest.mark.anyio
+async def test_a_template_that_refuses_the_conversation_is_a_typed_error(
+    tmp_path: Path,
+) -> None:
+    path = write_random_model(
+        tmp_path / "alternating", tiny_config(), seed=3, chat_template=ALTERNATING
+    )
+    async with Runtime(path, pool_blocks=200, log_level="off") as rt:
+        ann = await rt.spawn("ann", max_tokens=8)
+        await ann.tell("First.")
+        with pytest.raises(InvalidRequestError, match="roles must alternate"):
+            await ann.ask("Second.")
+        assert [m.content for m in ann.history] == ["First."]
+        assert (await rt.stats()).pool.used_blocks == 0
+
+
+@pytest.mark.anyio
+async def test_spawn_seeds_the_conversation(tiny: Loaded) -> None:
+    async with Runtime(tiny.path, pool_blocks=200, log_level="off") as rt:
+        seeded = await rt.spawn(
+            "s",
+            history=[
+                Message(role="user", content="Say yes."),
+                {"role": "assistant", "content": "Yes."},
+            ],
+            max_tokens=12,
+        )
+        reply = await seeded.ask("Again?")
+        assert [m.content for m in seeded.history[:3]] == ["Say yes.", "Yes.", "Again?"]
+        assert list(reply.tokens) == expected(tiny, seeded, 12)
+        for bad in ([{"role": "system", "content": "x"}], ["text"], [{"role": "user"}]):
+            with pytest.raises(InvalidRequestError):
+                await rt.spawn("bad", history=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_gather_asks_at_once_and_keeps_the_order(tiny: Loaded) -> None:
+    questions = ["One?", "Two, please?", "Three!"]
+    async with Runtime(tiny.path, pool_blocks=200, log_level="off") as rt:
+        panel = [await rt.spawn(f"p{i}", max_tokens=10) for i in range(3)]
+        replies = await gather(*(p.ask(q) for p, q in zip(panel, questions)))
+        assert (await rt.stats()).max_batch_size >= 2  # they ran together
+        for agent, reply in zip(panel, replies):
+            assert agent.history[-1].content == reply.text
+            assert list(reply.tokens) == expected(tiny, agent, 10)
+
+
+@pytest.mark.anyio
+async def test_gather_cancels_the_rest_when_one_fails(tiny: Loaded) -> None:
+    async with Runtime(tiny.path, pool_blocks=200, log_level="off") as rt:
+        slow = await rt.spawn("slow", max_tokens=4000)
+        quick = await rt.spawn("quick")
+        with anyio.fail_after(60), pytest.raises(InvalidRequestError, match="max_tokens"):
+            await gather(slow.ask("Talk for long."), quick.ask("x", max_tokens=0))
+        assert slow.history == () and slow.cached_tokens == 0  # cancelled, undone
+        assert (await rt.stats()).pool.used_blocks == 0
