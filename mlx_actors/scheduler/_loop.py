@@ -545,6 +545,8 @@ class EngineLoop:
                 joined=info.joined,
                 batch_ms=round(info.batch_seconds * 1e3, 3),
                 pool_used=self.pool.used_blocks,
+                prefilled=list(info.prefilled),
+                decoded=list(info.decoded),
             )
         for result in finished:
             self._room = True

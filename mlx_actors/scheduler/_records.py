@@ -267,6 +267,9 @@ class StepInfo:
     #: Sequences that joined the batch, and the seconds of the ``BatchGenerator`` step.
     joined: int = 0
     batch_seconds: float = 0.0
+    #: The agents whose prompts ran this step, and those that got a token.
+    prefilled: tuple[str, ...] = ()
+    decoded: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
