@@ -5,9 +5,7 @@ python examples/debate.py [MODEL]      # MODEL: a model directory, .gguf or id
 
 import sys
 
-import anyio
-
-from mlx_actors import Runtime
+from mlx_actors import Runtime, run
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 else None  # None: the embedded default model
 
@@ -37,4 +35,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(main)  # or: anyio.run(main, backend="trio")
+    run(main)  # or: run(main, backend="trio"); Ctrl-C ends it with one line

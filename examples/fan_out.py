@@ -10,9 +10,7 @@ Chrome trace (open it in ui.perfetto.dev).
 
 import sys
 
-import anyio
-
-from mlx_actors import Runtime, gather
+from mlx_actors import Runtime, gather, run
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "-" else None
 TRACE = sys.argv[2] if len(sys.argv) > 2 else None
@@ -47,4 +45,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(main)
+    run(main)

@@ -13,7 +13,7 @@ import sys
 
 import anyio
 
-from mlx_actors import Runtime
+from mlx_actors import Runtime, run
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 else None
 BRIEF = """Project brief: the old harbour.
@@ -82,4 +82,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(main)
+    run(main)

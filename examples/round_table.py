@@ -6,9 +6,7 @@ python examples/round_table.py [MODEL]
 
 import sys
 
-import anyio
-
-from mlx_actors import Runtime
+from mlx_actors import Runtime, run
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 else None
 
@@ -39,4 +37,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(main)
+    run(main)

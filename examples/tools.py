@@ -10,10 +10,9 @@ The default model (SmolLM2-135M) seldom calls a tool on its own, so the clerk is
 import sys
 from pathlib import Path
 
-import anyio
 import pydantic
 
-from mlx_actors import Runtime
+from mlx_actors import Runtime, run
 
 HERE = Path(__file__).parent.resolve()
 
@@ -67,4 +66,4 @@ async def main(model: str | None) -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(main, sys.argv[1] if len(sys.argv) > 1 else None)
+    run(main, sys.argv[1] if len(sys.argv) > 1 else None)

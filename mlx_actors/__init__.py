@@ -21,6 +21,7 @@ from .actors import gather as gather
 from .actors import tool as tool
 from .runtime import Runtime as Runtime
 from .runtime import RuntimeStatistics as RuntimeStatistics
+from .runtime import run as run
 from .scheduler import PoolStatistics as PoolStatistics
 from .scheduler import Usage as Usage
 

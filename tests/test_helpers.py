@@ -4,13 +4,19 @@ backends; each reply compared with mlx-lm's own on the rendered conversation."""
 
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 
 import anyio
 import pytest
 
 from mlx_actors import Message, Runtime, gather
-from mlx_actors.errors import InvalidRequestError
+from mlx_actors.errors import (
+    InvalidRequestError,
+    ModelIntegrityError,
+    ModelNotFoundError,
+    RuntimeClosedError,
+)
 from mlx_actors.testing import tiny_config, write_random_model
 
 from .conftest import Loaded, reference, render
@@ -113,3 +119,38 @@ async def test_gather_cancels_the_rest_when_one_fails(tiny: Loaded) -> None:
             await gather(slow.ask("Talk for long."), quick.ask("x", max_tokens=0))
         assert slow.history == () and slow.cached_tokens == 0  # cancelled, undone
         assert (await rt.stats()).pool.used_blocks == 0
+
+
+# -- a newcomer's mistakes get errors that say what to do ------------------------------------
+
+
+def test_a_runtime_entered_without_async_says_how(tiny: Loaded) -> None:
+    with pytest.raises(InvalidRequestError, match="async with Runtime"):
+        with Runtime(tiny.path):  # type: ignore[attr-defined]
+            pass
+
+
+def test_a_model_path_that_names_nothing_is_refused_at_once(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="no model at"):
+        Runtime(tmp_path / "nothing-here")
+
+
+@pytest.mark.anyio
+async def test_start_up_errors_come_without_the_engine_threads_frames(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ModelIntegrityError) as info:
+        async with Runtime(broken, log_level="off"):
+            pass
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "_thread_main" not in frames and "wait_started" in frames
+    assert info.value.__suppress_context__  # the cause is kept, not printed
+
+
+@pytest.mark.anyio
+async def test_asking_after_the_runtime_ended_says_so(tiny: Loaded) -> None:
+    async with Runtime(tiny.path, pool_blocks=100, log_level="off") as rt:
+        agent = await rt.spawn("late", max_tokens=4)
+    with pytest.raises(RuntimeClosedError, match="runtime has shut down"):
+        await agent.ask("Still there?")

@@ -586,6 +586,12 @@ class Agent:
             )
 
     def _closed_error(self) -> MlxActorsError:
+        """The error of a request that comes after the agent stopped."""
+        if isinstance(self._closing, RuntimeClosedError):
+            return RuntimeClosedError(
+                f"agent {self.name!r} takes no more requests: its runtime has shut down "
+                "(call agents inside `async with Runtime(...) as rt:`)"
+            )
         return self._closing or AgentClosedError(f"agent {self.name!r} is closed")
 
     async def _stop(self, error: MlxActorsError) -> None:

@@ -2,6 +2,7 @@
 a GGUF file or a Hugging Face id) and the ``Runtime`` that runs agents on one of them."""
 
 from ._default import default_model_dir as default_model_dir
+from ._main import run as run
 from ._models import LoadedModel as LoadedModel
 from ._models import load_model as load_model
 from ._models import resolve_model as resolve_model

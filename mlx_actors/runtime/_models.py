@@ -71,25 +71,44 @@ def resolve_model(model: str | os.PathLike[str] | None = None, *, dequantize: bo
         UnsupportedModelError: a GGUF file of an architecture the converter lacks.
         InvalidRequestError: ``dequantize`` for a model that is not a GGUF file.
     """
+    kind = check_model(model, dequantize=dequantize)
     if model is None:
         return default_model_dir(dequantize=dequantize)
     text = os.fspath(model)
     path = Path(text).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    if kind == "gguf":
         return _converted_gguf(path, dequantize)
+    return path if kind == "directory" else _hub_snapshot(text)
+
+
+def check_model(model: str | os.PathLike[str] | None, *, dequantize: bool = False) -> str:
+    """What ``model`` names (``"default"``, ``"gguf"``, ``"directory"`` or ``"hub"``),
+    from the checks :func:`resolve_model` can make at once, without fetching, converting
+    or loading anything.
+
+    Raises:
+        ModelNotFoundError: a path that names nothing usable.
+        InvalidRequestError: ``dequantize`` for a model that is not a GGUF file.
+    """
+    if model is None:
+        return "default"
+    text = os.fspath(model)
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return "gguf"
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} has no config.json: not an mlx-lm model directory")
-        found = path
+        kind = "directory"
     elif path.exists():
         raise ModelNotFoundError(f"{path} is neither a model directory nor a .gguf file")
     elif isinstance(model, os.PathLike) or not _HUB_ID.fullmatch(text) or text.endswith(".gguf"):
         raise ModelNotFoundError(f"no model at {path}: no such file or directory")
     else:
-        found = _hub_snapshot(text)
+        kind = "hub"
     if dequantize:
         raise InvalidRequestError(f"dequantize applies to GGUF models only, not to {text!r}")
-    return found
+    return kind
 
 
 def load_model(

@@ -36,7 +36,7 @@ from ..errors import (
     UnknownAgentError,
 )
 from ..scheduler import PoolStatistics, Scheduler
-from ._models import load_model
+from ._models import check_model, load_model
 from ._state import AgentRecord, StateDir
 from ._store import DiskCacheStore
 from ._trace import Trace, logging_to
@@ -116,10 +116,14 @@ class Runtime:
             asked (at most ten times as long in all), so that turns asked together
             start in one batch; a lone turn never waits; 0 starts every turn at once.
         mailbox_size: how many requests an agent's mailbox holds before senders wait.
-        trace: also write the trace to this file: ``*.jsonl`` (every event, JSON lines)
-            or ``*.json`` (Chrome trace-event format, for ui.perfetto.dev).
-        log_level: the lowest level of events shown on the terminal (``"info"`` shows
-            turns, ``"debug"`` every step, ``"off"`` nothing).
+        trace: also write the trace to this file, or these files, as events happen:
+            ``*.jsonl`` (every event, JSON lines) or ``*.json`` (Chrome trace-event
+            format, for ui.perfetto.dev).
+        log_level: events go to Python's ``logging`` (the ``mlx_actors`` logger). With
+            ``None`` (the default) its level and handlers are the application's; if it
+            set up none, warnings and progress are shown on stderr. A level shows
+            events from that level on (``"info"``: every turn, ``"debug"``: every
+            step); ``"off"`` sends nothing to logging (trace files still get all).
         dequantize: run the default model (or a GGUF file) with float32 weights
             instead of 4-bit ones (faster on CPUs, four times the memory).
         share_prefixes: reuse cache blocks across agents: a prefix any agent computed
@@ -151,8 +155,8 @@ class Runtime:
         prefill_step_size: int = 512,
         admission_window: float = 0.002,
         mailbox_size: int = 16,
-        trace: str | os.PathLike[str] | None = None,
-        log_level: str = "info",
+        trace: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+        log_level: str | None = None,
         dequantize: bool = False,
         share_prefixes: bool = True,
         state_dir: str | os.PathLike[str] | None = None,
@@ -183,11 +187,13 @@ class Runtime:
             isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < 0
         ):
             raise InvalidRequestError(f"host_bytes must be an int >= 0, got {host_bytes!r}")
+        check_model(model, dequantize=dequantize)  # a path that names nothing: now, not later
         self._model = model
         self._dequantize = dequantize
         self._mailbox_size = mailbox_size
         self._state = StateDir(state_dir, persist=persist) if state_dir is not None else None
-        self._trace = Trace(trace, level=log_level)
+        process = f"mlx-actors: {model if model is not None else 'default model'}"
+        self._trace = Trace(trace, level=log_level, process=process)
         self.log = self._trace.log
         if pool_blocks is None and pool_bytes is None:
             pool_bytes = _default_pool_bytes()
@@ -229,6 +235,15 @@ class Runtime:
         if self._state is not None:
             return self._state.path / "caches"
         return self._swap
+
+    def __enter__(self) -> None:
+        raise InvalidRequestError(
+            "Runtime is an async context manager: use `async with Runtime() as rt:` inside "
+            "an async function, run with mlx_actors.run(main) (or anyio.run)"
+        )
+
+    def __exit__(self, *exc_info: object) -> None:  # pragma: no cover (never entered)
+        return None
 
     async def __aenter__(self) -> Runtime:
         if self._tg is not None or self._closed:

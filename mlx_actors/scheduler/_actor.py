@@ -154,10 +154,21 @@ class Scheduler:
                 self._started.set()
 
     async def wait_started(self) -> None:
-        """Wait until the model is loaded and the engine ready; raise what stopped it."""
+        """Wait until the model is loaded and the engine ready; raise what stopped it.
+
+        A typed error (a model not found, a corrupt file...) says what to do in its
+        message: it is raised without the engine thread's frames, and what caused it is
+        kept as its ``__context__`` but not printed."""
         await self._started.wait()
-        if self._startup_error is not None:
-            raise self._startup_error
+        error = self._startup_error
+        if error is None:
+            return
+        if isinstance(error, MlxActorsError):
+            cause, error.__cause__ = error.__cause__, None
+            error.__context__ = cause or error.__context__
+            error.__suppress_context__ = True
+            raise error.with_traceback(None)
+        raise error
 
     @property
     def token(self) -> EventLoopToken | None:

@@ -1,0 +1,101 @@
+"""Ctrl-C: a script run with ``mlx_actors.run`` stops within a short step, mid-prefill or
+mid-decode, on asyncio and trio, says ``interrupted`` (no traceback), exits with 130, and
+the turn it interrupted is undone (a new runtime on its state directory finds the agent
+as it was)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from mlx_actors import Runtime
+from mlx_actors.testing import tiny_config, write_random_model
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from mlx_actors import Runtime, run
+
+    async def main(model, state, trace, mode):
+        async with Runtime(model, pool_blocks=400, state_dir=state, trace=trace,
+                           log_level="off") as rt:
+            agent = rt.agents.get("ann") or await rt.spawn("ann", max_tokens=100_000)
+            if mode == "prefill":
+                await agent.ask("x" * 3000)  # seconds of prefill on this model and CPU
+            else:
+                async with agent.stream("Go on.") as pieces:
+                    async for piece in pieces:
+                        print("decoding", flush=True)
+
+    run(main, *sys.argv[1:4], sys.argv[4], backend=sys.argv[5])
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def slow_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model slow enough on a small CPU that a prefill of 3000 tokens takes seconds."""
+    return write_random_model(
+        tmp_path_factory.mktemp("models") / "slow",
+        tiny_config(
+            num_hidden_layers=8,
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=32,
+        ),
+        seed=1,
+    )
+
+
+def wait_for(trace: Path, event: str, proc: subprocess.Popen[str], limit: float = 120) -> None:
+    """Until the process's trace has ``event`` (polled: the trace is written as it goes)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if trace.exists() and any(
+            json.loads(line).get("event") == event for line in trace.read_text().splitlines()
+        ):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {event} in {trace}")
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_ctrl_c_stops_within_a_step_with_one_line_and_undoes_the_turn(
+    slow_dir: Path, tmp_path: Path, mode: str, backend: str
+) -> None:
+    state, trace = tmp_path / "state", tmp_path / "run.jsonl"
+    args = [sys.executable, "-c", SCRIPT, str(slow_dir), str(state), str(trace), mode, backend]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if mode == "prefill":
+        wait_for(trace, "batch.step", proc)  # the prompt's prefill is under way
+    else:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "decoding"
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert not any(e["event"] == "turn.finished" for e in steps)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert proc.returncode == 130, err
+    assert err == "interrupted\n"
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    longest = max((e["ms"] for e in events if e["event"] == "batch.step"), default=0)
+    assert took < 5 + longest / 1e3, (took, longest)  # the step under way, then out
+
+    async def check() -> None:
+        async with Runtime(slow_dir, pool_blocks=400, state_dir=state, log_level="off") as rt:
+            assert rt.agent("ann").history == ()  # the interrupted turn was undone
+
+    anyio.run(check)
