@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from mlx_actors import Runtime, gather
@@ -128,8 +129,8 @@ async def test_the_chrome_trace_is_well_formed_and_says_what_happened(
     async with Runtime(tiny_dir, pool_blocks=100, trace=[jsonl, path], log_level="off") as rt:
         await converse(rt)
     events = json.loads(path.read_text())  # closed: strict JSON
-    assert events[:-1] == read_trace(path)
-    check_chrome(events[:-1])
+    assert events == read_trace(path)
+    check_chrome(events)
     assert jsonl.exists()  # both sinks at once
     meta = {(e["name"], e["args"].get("name")) for e in events if e.get("ph") == "M"}
     assert ("process_name", f"mlx-actors: {tiny_dir}") in meta
@@ -270,7 +271,7 @@ def test_with_no_logging_set_up_a_script_shows_warnings_not_turns(tiny_dir: Path
 
 def test_a_stream_shows_turns_but_not_steps() -> None:
     out = io.StringIO()
-    trace = Trace(stream=out)
+    trace = Trace(stream=out).start()
     trace.log.info("turn.finished", agent="ann", turn=1)
     trace.log.debug("batch.step", batch=2)
     trace.close()
@@ -319,3 +320,99 @@ def test_progress_is_a_bar_on_a_terminal_and_a_few_lines_elsewhere(
         assert records.records == [] and len(screen.getvalue()) == shown
     finally:
         progress.setLevel(level)
+
+
+# -- found in review ------------------------------------------------------------------------
+
+
+async def test_levels_asked_by_overlapping_runtimes_are_put_back(
+    tiny_dir: Path, records: Records
+) -> None:
+    logger = logging.getLogger("mlx_actors")
+    assert logger.level == logging.NOTSET
+    first_in, second_in, first_out = anyio.Event(), anyio.Event(), anyio.Event()
+    seen: dict[str, int] = {}
+
+    async def first() -> None:  # "debug", entered first, left first
+        async with Runtime(tiny_dir, pool_blocks=100, log_level="debug"):
+            first_in.set()
+            await second_in.wait()
+            seen["both"] = logger.level
+        first_out.set()
+
+    async def second() -> None:  # "info", entered second, left last
+        await first_in.wait()
+        async with Runtime(tiny_dir, pool_blocks=100, log_level="info") as rt:
+            second_in.set()
+            await first_out.wait()
+            seen["second"] = logger.level
+            records.records.clear()
+            await (await rt.spawn("ann", max_tokens=4)).ask("Hi")
+            seen["turns"] = sum(r.getMessage().startswith("turn.finished") for r in records.records)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first)
+        tg.start_soon(second)
+    assert seen == {"both": logging.DEBUG, "second": logging.INFO, "turns": 1}
+    assert logger.level == logging.NOTSET  # put back when the last one left
+
+
+def test_a_runtime_never_entered_changes_no_logging(tiny_dir: Path, tmp_path: Path) -> None:
+    handlers = list(logging.getLogger("mlx_actors").handlers)
+    rt = Runtime(tiny_dir, log_level="debug", trace=tmp_path / "run.json")
+    with pytest.raises(InvalidRequestError):
+        with rt:  # type: ignore[attr-defined]
+            pass
+    assert logging.getLogger("mlx_actors").handlers == handlers
+    assert logging.getLogger("mlx_actors").level == logging.NOTSET
+    assert (tmp_path / "run.json").read_text().startswith("[")  # written as it goes
+    del rt
+
+
+async def test_a_cancelled_turn_ends_its_span_and_leaves_no_arrow_behind(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "run.json"
+    async with Runtime(tiny_dir, pool_blocks=100, trace=path, log_level="off") as rt:
+        agent = await rt.spawn("ann", max_tokens=4000)
+        with anyio.move_on_after(0.5):  # cancelled mid-turn (decoding a long reply)
+            await agent.ask("Talk for long.", logit_bias={258: -1e9})  # no end of turn
+        await agent.ask("Short one.", max_tokens=2)
+    events = read_trace(path)
+    check_chrome(events)
+    names = [e["name"] for e in events if e.get("ph") == "X"]
+    assert any(n.endswith("(cancelled)") for n in names), names
+    ends = [e for e in events if e.get("ph") == "f"]
+    assert len(ends) == len({e["id"] for e in ends}) == 2  # one per turn, none doubled
+
+
+def test_off_shows_no_progress_and_later_logging_setup_is_respected(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    script = textwrap.dedent(
+        f"""
+        import logging, sys
+        import anyio
+        from mlx_actors import Runtime
+        from mlx_actors.runtime._progress import Progress
+        from mlx_actors.runtime._trace import logging_to
+
+        async def main():
+            rt = Runtime({str(tiny_dir)!r}, pool_blocks=100, log_level="off")
+            async with rt:
+                with logging_to(rt._trace), Progress("quiet", 10, event="p") as bar:
+                    bar.update_to(10)
+            rt = Runtime({str(tiny_dir)!r}, pool_blocks=100)
+            async with rt:
+                logging.basicConfig(level=logging.WARNING, format="APP %(message)s")
+                rt.log.warning("test.warned")
+
+        anyio.run(main)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "test.warned" in line or "quiet" in line]
+    assert lines == ["APP test.warned"], done.stderr  # once, by the application's handler

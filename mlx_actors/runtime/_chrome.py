@@ -38,6 +38,7 @@ class ChromeTrace:
         self._file.write("[\n")
         self._put({"name": "process_name", "ph": "M", "pid": PID, "args": {"name": process}})
         self._lane("engine")
+        self._file.flush()
 
     def write(self, event: Mapping[str, Any]) -> None:
         """Add one log event (its ``event`` name and fields) as trace events."""
@@ -71,6 +72,9 @@ class ChromeTrace:
             )
         elif name == "turn.finished" and agent is not None:
             self._turn_spans(event, args, now)
+        elif name in ("turn.cancelled", "turn.refused") and agent is not None:
+            self._put(self._instant(name, str(agent), now, args))
+            self._end_turn(event, now)
         else:
             self._put(
                 self._instant(name, str(agent) if agent is not None else "runtime", now, args)
@@ -78,9 +82,10 @@ class ChromeTrace:
         self._file.flush()
 
     def close(self) -> None:
-        """End the array: the file is then strict JSON too."""
+        """End the array (with one more metadata event): the file is then strict JSON."""
         if self._file is not None:
-            self._file.write("{}]\n")
+            end = {"name": "process_sort_index", "ph": "M", "pid": PID, "args": {"sort_index": 0}}
+            self._file.write(json.dumps(end, separators=(",", ":")) + "]\n")
             self._file.close()
             self._file = None
 
@@ -165,6 +170,28 @@ class ChromeTrace:
                         "args": {},
                     }
                 )
+
+    def _end_turn(self, event: Mapping[str, Any], now: float) -> None:
+        """A turn that ended without a reply: its span so far, and no flow left behind
+        for a later turn's step to claim."""
+        agent = str(event["agent"])
+        known = self._turns.pop(event.get("turn"), None)
+        self._flows.pop(agent, None)
+        if known is None or "queued" not in known:
+            return
+        label = f"turn {event.get('turn')} ({str(event.get('event')).split('.')[-1]})"
+        self._put(
+            {
+                "name": label,
+                "cat": "turn",
+                "ph": "X",
+                "ts": known["queued"],
+                "dur": now - known["queued"],
+                "pid": PID,
+                "tid": self._lane(agent),
+                "args": {},
+            }
+        )
 
     def _instant(self, name: str, lane: str, now: float, args: dict[str, Any]) -> dict[str, Any]:
         return {

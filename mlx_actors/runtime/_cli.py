@@ -37,12 +37,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     # Progress events go to stderr: stdout carries only the result.
-    trace = Trace(level="debug" if args.verbose else "info", stream=sys.stderr)
+    trace = Trace(level="debug" if args.verbose else "info", stream=sys.stderr).start()
     try:
-        with logging_to(trace.log):
+        with logging_to(trace):
             path = default_model_dir(dequantize=args.dequantize, gguf=args.gguf)
     except MlxActorsError as exc:
         print(f"mlx-actors: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        trace.close()
     print(path)
     return 0

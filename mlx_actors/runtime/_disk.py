@@ -21,8 +21,9 @@ import numpy as np
 from ..errors import CorruptStateError, StateWriteError
 
 #: safetensors dtype codes of the cache dtypes, and numpy types of the same width.
-DTYPE_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
-_BITS = {"F16": np.uint16, "BF16": np.uint16, "F32": np.uint32}
+#: The safetensors codes of what blocks hold (``uint16``: quantized blocks, packed).
+DTYPE_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "uint16": "U16"}
+_BITS = {"F16": np.uint16, "BF16": np.uint16, "F32": np.uint32, "U16": np.uint16}
 FORMAT = 1
 
 

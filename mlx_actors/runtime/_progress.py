@@ -4,14 +4,13 @@ progress is not wanted (``log_level="off"``, or an application that quieted it).
 
 from __future__ import annotations
 
-import logging
 import sys
 from types import TracebackType
 from typing import Any
 
 from tqdm import tqdm
 
-from ._trace import PROGRESS, ModuleLog
+from ._trace import ModuleLog, current_trace
 
 log = ModuleLog()
 
@@ -30,7 +29,7 @@ class Progress:
         self.what, self.total, self.event = what, max(1, total), event
         self.done = 0
         self._said = -1  # the last quarter said off a terminal
-        wanted = logging.getLogger(PROGRESS).isEnabledFor(logging.INFO)
+        wanted = current_trace().wants_progress()
         terminal = wanted and _is_terminal(sys.stderr)
         self._bar: Any = None
         if terminal:

@@ -35,7 +35,7 @@ from ..errors import (
     StateWriteError,
     UnknownAgentError,
 )
-from ..scheduler import PoolStatistics, Scheduler
+from ..scheduler import KVQuantization, PoolStatistics, Scheduler
 from ._models import check_model, load_model
 from ._state import AgentRecord, StateDir
 from ._store import DiskCacheStore
@@ -136,6 +136,11 @@ class Runtime:
             Without it, caches that leave the pool go to a temporary swap directory.
         persist: with ``state_dir``, save each agent after every turn (``"turn"``, the
             default) or only when leaving the runtime (``"exit"``).
+        kv_bits: quantize the KV cache to 8 or 4 bits (``None``: keep the model's
+            dtype): two to four times the agents in the same pool, decoded in the
+            same batch, as mlx-lm's quantized cache computes them. Models whose layers
+            are all global attention (Llama, Qwen...); not yet sliding-window ones.
+        kv_group_size: values per scale and bias along a head (32, 64 or 128).
 
     When a turn needs more blocks than are free, the least recently used idle agents'
     caches are written to disk and freed; an agent whose cache is on disk gets it back
@@ -161,6 +166,8 @@ class Runtime:
         share_prefixes: bool = True,
         state_dir: str | os.PathLike[str] | None = None,
         persist: str = "turn",
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> None:
         for name, value in (
             ("max_batch_size", max_batch_size),
@@ -188,6 +195,7 @@ class Runtime:
         ):
             raise InvalidRequestError(f"host_bytes must be an int >= 0, got {host_bytes!r}")
         check_model(model, dequantize=dequantize)  # a path that names nothing: now, not later
+        self._kv = KVQuantization(kv_bits, kv_group_size) if kv_bits is not None else None
         self._model = model
         self._dequantize = dequantize
         self._mailbox_size = mailbox_size
@@ -205,6 +213,7 @@ class Runtime:
             prefill_step_size=prefill_step_size,
             admission_window=admission_window,
             share_prefixes=bool(share_prefixes),
+            kv_quantization=self._kv,
         )
         self._agents: dict[str, Agent] = {}
         #: Names of agents being made (a fork), not yet in ``_agents``.
@@ -222,11 +231,12 @@ class Runtime:
 
     def _load(self) -> tuple[Any, Any]:
         """Runs on the engine thread: load the model, then claim the state directory."""
-        with logging_to(self.log):
+        with logging_to(self._trace):
             loaded = load_model(self._model, dequantize=self._dequantize)
         self.model_path = loaded.path
         if self._state is not None:
-            self._state.claim(loaded.path)
+            kv = None if self._kv is None else attrs.asdict(self._kv)
+            self._state.claim(loaded.path, kv)
         return loaded.model, loaded.tokenizer
 
     @property
@@ -248,6 +258,7 @@ class Runtime:
     async def __aenter__(self) -> Runtime:
         if self._tg is not None or self._closed:
             raise InvalidRequestError("a Runtime can be entered only once; make a new one")
+        self._trace.start()
         if self._state is not None:
             store = self._state.caches()
         else:

@@ -119,6 +119,13 @@ class AgentRecord:
             raise CorruptStateError(f"{path} is not an agent record: {exc!r}") from exc
 
 
+def _kv(setting: object) -> str:
+    """How a ``kv_cache`` record reads in an error."""
+    if isinstance(setting, dict):
+        return f"{setting.get('bits')}-bit in groups of {setting.get('group_size')}"
+    return "unquantized"
+
+
 def _text(value: object) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{value!r} is not text")
@@ -146,7 +153,7 @@ class StateDir:
         self._agents = self.path / "agents"
         self._fd: int | None = None
 
-    def claim(self, model_dir: Path) -> None:
+    def claim(self, model_dir: Path, kv_cache: dict[str, int] | None = None) -> None:
         """Check that the directory's caches were made by the model in ``model_dir`` (or
         that it holds none yet), then record the model. A mismatch raises
         :class:`ModelMismatchError` and leaves the directory as it was.
@@ -159,7 +166,7 @@ class StateDir:
         except OSError as exc:
             raise writing("the state directory", self.path, exc) from exc
         try:
-            self._check_and_record(model_dir)
+            self._check_and_record(model_dir, kv_cache)
         except OSError as exc:
             self.release()
             raise writing("the state directory", self.path, exc) from exc
@@ -184,7 +191,7 @@ class StateDir:
             ) from exc
         self._fd = fd
 
-    def _check_and_record(self, model_dir: Path) -> None:
+    def _check_and_record(self, model_dir: Path, kv_cache: dict[str, int] | None) -> None:
         marker = self.path / "runtime.json"
         known = read_json(marker) if os.path.lexists(marker) else {}
         if not isinstance(known, dict):
@@ -206,6 +213,12 @@ class StateDir:
                 f"{str(recorded)[:16]}...), not by {model_dir} ({sha256[:16]}...); open it "
                 "with that model, or choose another state_dir"
             )
+        if recorded is not None and known.get("kv_cache") != kv_cache:
+            raise ModelMismatchError(
+                f"{self.path} holds caches quantized as {_kv(known.get('kv_cache'))}, and this "
+                f"runtime keeps them {_kv(kv_cache)}; open it with the same kv_bits and "
+                "kv_group_size, or choose another state_dir"
+            )
         for path in (self._agents, self.path / "caches", self.path / "caches" / BLOCKS):
             real_dir(path, self.path)
         # What a process killed in the middle of a write left behind.
@@ -223,6 +236,7 @@ class StateDir:
                     "model": str(model_dir),
                     "weights_sha256": sha256,
                     "weights": {p.name: [*_stamp(p), _sha_cache(known, p)] for p in files},
+                    "kv_cache": kv_cache,
                 }
             ),
         )

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -36,6 +37,10 @@ PROGRESS = "mlx_actors.progress"
 class Trace:
     """One runtime's structlog logger and where its events go.
 
+    The files are opened when the trace is made (a path that cannot be written fails
+    at once); logging is joined only by :meth:`start` (a runtime's entry), and left by
+    :meth:`close`.
+
     Args:
         paths: trace files, one or several: ``*.jsonl`` gets every event (debug
             included) as JSON lines; ``*.json`` a Chrome trace-event file.
@@ -43,7 +48,7 @@ class Trace:
             application's logging setup, and if the application set up nothing, shows
             warnings and progress on stderr. A level (``"debug"``, ``"info"``...) shows
             events from that level on stderr (through the application's handlers if it
-            has some). ``"off"``: nothing goes to logging.
+            has some). ``"off"``: nothing goes to logging, and no progress is shown.
         stream: show events on this stream (at ``level``, default info) whatever the
             logging setup.
         process: the name of the process in the Chrome trace.
@@ -60,6 +65,7 @@ class Trace:
         if level is not None and level not in LEVELS:
             raise InvalidRequestError(f"log level must be one of {sorted(LEVELS)}, got {level!r}")
         self.paths = _paths(paths)
+        self.level, self._stream = level, stream
         self._lock = threading.Lock()
         self._logger = logging.getLogger(LOGGER)
         self._forward = level != "off"
@@ -67,9 +73,9 @@ class Trace:
         self._chrome: list[ChromeTrace] = []
         self._own_console: _Console | None = None
         self._shown: int | None = None  # the level asked of the shared console
-        self._restore: list[tuple[logging.Logger, int]] = []
+        self._levels: list[tuple[str, int]] = []  # the levels asked of loggers
+        self._started = False
         for path in self.paths:
-            # Opened now, so that a path that cannot be written fails here, not later.
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 if path.suffix == ".jsonl":
@@ -81,18 +87,9 @@ class Trace:
                 raise InvalidRequestError(
                     f"the trace file {path} cannot be written: {exc.strerror or exc}"
                 ) from exc
-        if stream is not None:
-            self._own_console = _Console(stream, LEVELS[level or "info"])
-            self._logger.addHandler(self._own_console)
-            self._lower(self._logger, LEVELS[level or "info"])
-        elif level is not None and level != "off":
-            self._lower(self._logger, LEVELS[level])
-            if not _configured(self._logger):
-                self._shown = _console.want(LEVELS[level])
-        elif level is None and not _configured(self._logger):
-            self._shown = _console.want(logging.WARNING)
-        if self._own_console is not None or self._shown is not None:
-            self._lower(logging.getLogger(PROGRESS), logging.INFO)
+        # A trace never started nor closed (a runtime never entered) still closes its
+        # files when it is collected.
+        self._finalizer = weakref.finalize(self, _close_files, self._jsonl, self._chrome)
         # Whether an event goes anywhere is asked per event (``_gate``): the application
         # may change its logging levels while the runtime runs.
         self.log: Any = structlog.wrap_logger(
@@ -106,17 +103,53 @@ class Trace:
             context_class=dict,
         )
 
-    def _lower(self, logger: logging.Logger, level: int) -> None:
-        """Let ``logger`` pass records from ``level`` on (put back when closing)."""
-        if logger.getEffectiveLevel() > level:
-            self._restore.append((logger, logger.level))
-            logger.setLevel(level)
+    def start(self) -> Trace:
+        """Join logging: show events as ``level`` and ``stream`` ask (idempotent)."""
+        if self._started:
+            return self
+        self._started = True
+        level = self.level
+        if self._stream is not None:
+            self._own_console = _Console(self._stream, LEVELS[level or "info"])
+            self._logger.addHandler(self._own_console)
+            self._levels.append(_levels.want(LOGGER, LEVELS[level or "info"]))
+        elif level is not None and level != "off":
+            self._levels.append(_levels.want(LOGGER, LEVELS[level]))
+            if not _configured(self._logger):
+                self._shown = _console.want(LEVELS[level])
+        elif level is None and not _configured(self._logger):
+            self._shown = _console.want(logging.WARNING)
+        return self
 
-    def _target(self, event: Mapping[str, Any]) -> logging.Logger | None:
-        """The logger an event goes to, if it takes events of its level."""
+    def _console(self) -> _Console | None:
+        """The stderr handler this trace shows events on, while the application has not
+        set up logging of its own (then its handlers show them)."""
+        if self._own_console is not None:
+            return self._own_console
+        if self._shown is not None and not _configured(self._logger):
+            return _console.handler
+        return None
+
+    def wants_progress(self) -> bool:
+        """Whether progress should be shown (a bar on a terminal, lines elsewhere):
+        this trace shows it on stderr, or the application's logging takes it."""
+        if not self._forward:
+            return False
+        return self._console() is not None or logging.getLogger(PROGRESS).isEnabledFor(logging.INFO)
+
+    def _target(self, event: Mapping[str, Any]) -> logging.Logger | _Console | None:
+        """Where an event goes: the logger, if it takes events of its level; progress
+        straight to this trace's console, whatever the levels (the application's are
+        left alone), when it has one."""
         if not self._forward:
             return None
-        target = logging.getLogger(PROGRESS) if event.get("progress") else self._logger
+        if event.get("progress"):
+            console = self._console()
+            if console is not None:
+                return console
+            target = logging.getLogger(PROGRESS)
+        else:
+            target = self._logger
         return target if target.isEnabledFor(LEVELS.get(event["level"], 20)) else None
 
     def _gate(self, logger: Any, method: str, event: MutableMapping[str, Any]) -> Any:
@@ -136,7 +169,19 @@ class Trace:
                 for chrome in self._chrome:
                     chrome.write(event)
         target = self._target(event)
-        if target is not None:
+        if isinstance(target, _Console):
+            record = logging.getLogger(PROGRESS).makeRecord(
+                PROGRESS,
+                levelno,
+                "",
+                0,
+                _message(event),
+                (),
+                None,
+                extra={"mlx_actors": dict(event)},
+            )
+            target.handle(record)
+        elif target is not None:
             target.log(levelno, _message(event), extra={"mlx_actors": dict(event)})
         raise structlog.DropEvent
 
@@ -154,9 +199,9 @@ class Trace:
         if self._shown is not None:
             _console.drop(self._shown)
             self._shown = None
-        for logger, level in reversed(self._restore):
-            logger.setLevel(level)
-        self._restore = []
+        for request in self._levels:
+            _levels.drop(request)
+        self._levels = []
 
 
 class _Console(logging.StreamHandler):  # type: ignore[type-arg]
@@ -171,6 +216,8 @@ class _Console(logging.StreamHandler):  # type: ignore[type-arg]
         }
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if self._follow and _configured(logging.getLogger(LOGGER)):
+            return False  # the application set up logging since: its handlers show it
         return record.levelno >= self.shown or record.name == PROGRESS
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -196,6 +243,10 @@ class _SharedConsole:
         self._handler: _Console | None = None
         self._levels: list[int] = []
 
+    @property
+    def handler(self) -> _Console | None:
+        return self._handler
+
     def want(self, level: int) -> int:
         with self._lock:
             self._levels.append(level)
@@ -218,6 +269,58 @@ class _SharedConsole:
 
 
 _console = _SharedConsole()
+
+
+class _LevelRequests:
+    """Levels runtimes asked of the library's loggers: each logger is set to the lowest
+    level asked while any request stands, and put back when the last one goes (unless
+    the application set another level meanwhile)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._asked: dict[str, list[int]] = {}
+        self._before: dict[str, tuple[int, int]] = {}  # the level found, the one set
+
+    def want(self, name: str, level: int) -> tuple[str, int]:
+        with self._lock:
+            logger = logging.getLogger(name)
+            asked = self._asked.setdefault(name, [])
+            if not asked:
+                self._before[name] = (logger.level, logger.level)
+            asked.append(level)
+            self._apply(name, logger)
+        return name, level
+
+    def drop(self, request: tuple[str, int]) -> None:
+        name, level = request
+        with self._lock:
+            logger, asked = logging.getLogger(name), self._asked.get(name, [])
+            if level in asked:
+                asked.remove(level)
+            found, set_ = self._before.get(name, (logger.level, logger.level))
+            if asked:
+                self._apply(name, logger)
+            elif logger.level == set_:  # not changed by the application meanwhile
+                logger.setLevel(found)
+
+    def _apply(self, name: str, logger: logging.Logger) -> None:
+        found, set_ = self._before[name]
+        if logger.level != set_:  # the application set a level meanwhile: start from it
+            found = logger.level
+        lowest = min(self._asked[name])
+        level = min(lowest, found) if found else lowest  # NOTSET (0): no level of its own
+        logger.setLevel(level)
+        self._before[name] = (found, level)
+
+
+_levels = _LevelRequests()
+
+
+def _close_files(jsonl: list[IO[str]], chrome: list[ChromeTrace]) -> None:
+    for file in jsonl:
+        file.close()
+    for trace in chrome:
+        trace.close()
 
 
 def _configured(logger: logging.Logger) -> bool:
@@ -267,20 +370,28 @@ _current: contextvars.ContextVar[Any] = contextvars.ContextVar("mlx_actors_log")
 _fallback: list[Trace] = []
 
 
-def current_log() -> Any:
-    """The logger of the runtime this work is for, or one of its own."""
+def current_trace() -> Trace:
+    """The trace of the runtime this work is for, or one of its own."""
     try:
-        return _current.get()
+        trace: Trace = _current.get()
+        return trace
     except LookupError:
         if not _fallback:
-            _fallback.append(Trace(level=os.environ.get("MLX_ACTORS_LOG_LEVEL")))
-        return _fallback[0].log
+            # Work outside any runtime (loading a model, say): a console while the
+            # application has set up no logging, and no level of its changed.
+            _fallback.append(Trace(level=os.environ.get("MLX_ACTORS_LOG_LEVEL")).start())
+        return _fallback[0]
+
+
+def current_log() -> Any:
+    """The logger of the runtime this work is for, or one of its own."""
+    return current_trace().log
 
 
 @contextlib.contextmanager
-def logging_to(log: Any) -> Iterator[None]:
-    """Send :func:`current_log` events to ``log`` within the block (this thread only)."""
-    token = _current.set(log)
+def logging_to(trace: Trace) -> Iterator[None]:
+    """Send :func:`current_log` events to ``trace`` within the block (this thread only)."""
+    token = _current.set(trace)
     try:
         yield
     finally:

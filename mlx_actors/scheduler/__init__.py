@@ -23,6 +23,9 @@ from ._pool import PoolStatistics as PoolStatistics
 from ._protocol import CacheStore as CacheStore
 from ._protocol import SchedulerStatistics as SchedulerStatistics
 from ._protocol import Turn as Turn
+from ._quantized import BatchQuantizedKVCache as BatchQuantizedKVCache
+from ._quantized import BlockQuantizedKVCache as BlockQuantizedKVCache
+from ._quantized import KVQuantization as KVQuantization
 from ._records import MAX_STOP_CHARS as MAX_STOP_CHARS
 from ._records import MAX_STOPS as MAX_STOPS
 from ._records import SEEDS as SEEDS

@@ -6,6 +6,7 @@ import functools
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -39,6 +40,7 @@ from ._protocol import (
     Turn,
     Undo,
 )
+from ._quantized import KVQuantization
 from ._records import CompletedGeneration
 from ._spec import ModelCacheSpec
 
@@ -77,9 +79,11 @@ class Scheduler:
         admission_window: float = 0.002,
         share_prefixes: bool = True,
         host_bytes: int | None = None,
+        kv_quantization: KVQuantization | None = None,
         log: Any = None,
     ) -> None:
         self._load = load
+        self._kv_quantization = kv_quantization
         self._store = store
         self._admission_window = admission_window
         self._pool_blocks, self._pool_bytes = pool_blocks, pool_bytes
@@ -164,6 +168,11 @@ class Scheduler:
         if error is None:
             return
         if isinstance(error, MlxActorsError):
+            self._log.debug(  # the whole story, for a bug report: not in the user's face
+                "runtime.start_failed",
+                error=repr(error),
+                traceback="".join(traceback.format_exception(error)),
+            )
             cause, error.__cause__ = error.__cause__, None
             error.__context__ = cause or error.__context__
             error.__suppress_context__ = True
@@ -499,7 +508,7 @@ class Scheduler:
 
     def _start_engine(self) -> BlockPoolBatchEngine:
         model, tokenizer = self._load()
-        spec = ModelCacheSpec.from_model(model)
+        spec = ModelCacheSpec.from_model(model, quantization=self._kv_quantization)
         if self._pool_blocks is not None:
             pool = BlockPool(spec, total_blocks=self._pool_blocks)
         else:

@@ -30,6 +30,7 @@ from ._gather import gather
 from ._margin import MarginRotatingKVCache
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefix import Node, Piece, PrefixIndex, cover, runs_of
+from ._quantized import BlockQuantizedKVCache, pack, unpack
 from ._spec import (
     BLOCK_SIZE,
     SLIDING_MARGIN,
@@ -102,16 +103,16 @@ def _check_arrays(where: str, layer: LayerSpec, block: KVBlock) -> None:
     keys, values = block.keys, block.values
     if keys is None or values is None:
         raise CacheReconstructionError(f"{where}: {block!r} holds no data")
-    expected_k = (1, layer.kv_heads, keys.shape[2], layer.key_dim)
-    expected_v = (1, layer.kv_heads, keys.shape[2], layer.value_dim)
+    expected_k = (1, layer.kv_heads, keys.shape[2], layer.stored_key_dim)
+    expected_v = (1, layer.kv_heads, keys.shape[2], layer.stored_value_dim)
     if tuple(keys.shape) != expected_k or tuple(values.shape) != expected_v:
         raise CacheReconstructionError(
             f"{where}: {block!r} has keys {tuple(keys.shape)} and values "
             f"{tuple(values.shape)}; the model needs {expected_k} and {expected_v}"
         )
-    if keys.dtype != layer.dtype or values.dtype != layer.dtype:
+    if keys.dtype != layer.stored_dtype or values.dtype != layer.stored_dtype:
         raise CacheReconstructionError(
-            f"{where}: {block!r} holds {keys.dtype}, the model's cache is {layer.dtype}"
+            f"{where}: {block!r} holds {keys.dtype}, the model's cache is {layer.stored_dtype}"
         )
     if (
         not 0 < keys.shape[2] <= BLOCK_SIZE
@@ -158,8 +159,16 @@ def to_cache(
             [(b.values, b.start, a, z) for b, a, z in layer_pieces if b.values is not None],
             extra,
         )
+        q = layer.quantization
+        if q is not None:
+            cache: Any = BlockQuantizedKVCache(group_size=q.group_size, bits=q.bits)
+            cache.keys = unpack(keys, layer.key_dim, layer.dtype, q)
+            cache.values = unpack(values, layer.value_dim, layer.dtype, q)
+            cache.offset = keep
+            caches.append(cache)
+            continue
         if layer.kind is LayerKind.GLOBAL:
-            cache: Any = KVCache()
+            cache = KVCache()
         else:
             assert layer.window is not None
             cache = MarginRotatingKVCache(layer.window)
@@ -283,6 +292,8 @@ def plan_cut(
             keys, values = c.keys, c.values
             if isinstance(c, RotatingKVCache) and keys is not None:
                 keys, values = c._temporal_order(keys), c._temporal_order(values)
+            if isinstance(keys, tuple):  # quantized: blocks keep the triple packed
+                keys, values = _Packed(keys, c.offset), _Packed(values, c.offset)
             held = int(keys.shape[2]) if keys is not None else 0
             if layer.kind is LayerKind.GLOBAL:
                 if c.offset != total or held < total:
@@ -340,6 +351,18 @@ def plan_cut(
         cut.abandon()
         raise
     return cut
+
+
+class _Packed:
+    """A quantized cache's triple, sliced along its tokens as one packed array would be
+    (only the slices taken are packed: a copy of the blocks made, not of the cache)."""
+
+    def __init__(self, triple: tuple[mx.array, mx.array, mx.array], offset: int) -> None:
+        self.triple = triple
+        self.shape = (*triple[0].shape[:2], min(offset, triple[0].shape[2]), 0)
+
+    def __getitem__(self, index: Any) -> mx.array:
+        return pack(tuple(part[index] for part in self.triple))  # type: ignore[arg-type]
 
 
 def _keep_checkpoint(

@@ -24,7 +24,8 @@ def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-_DTYPES = {dtype_name(t): t for t in (mx.float16, mx.bfloat16, mx.float32)}
+#: What blocks hold: keys and values, or (``uint16``) quantized ones packed.
+_DTYPES = {dtype_name(t): t for t in (mx.float16, mx.bfloat16, mx.float32, mx.uint16)}
 
 
 @attrs.frozen(kw_only=True)

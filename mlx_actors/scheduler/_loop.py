@@ -105,7 +105,7 @@ class EngineLoop:
         self._persistent = persistent_store
         #: Evicted caches carry every block (for host memory), not only unstored ones.
         self._whole_evictions = whole_evictions
-        self._dtype = engine.spec.layers[0].dtype
+        self._dtype = engine.spec.layers[0].stored_dtype
         self.agents: dict[str, _Entry] = {}
         self.turns: dict[int, Turn] = {}
         #: Turns waiting for room in the pool, oldest first (with the cache read back

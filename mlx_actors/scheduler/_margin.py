@@ -38,6 +38,7 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache
 
+from ._quantized import BlockQuantizedKVCache
 from ._spec import SLIDING_MARGIN, ModelCacheSpec
 
 #: Tokens copied aside at once, before the ring overwrites them.
@@ -320,8 +321,15 @@ class MarginBatchRotatingKVCache(BatchRotatingKVCache):  # type: ignore[misc]
 
 def make_cache(spec: ModelCacheSpec) -> list[Any]:
     """An empty per-layer cache for a model with ``spec``: mlx-lm's ``KVCache`` for
-    global layers, :class:`MarginRotatingKVCache` for sliding-window ones."""
-    return [
-        KVCache() if layer.window is None else MarginRotatingKVCache(layer.window)
-        for layer in spec.layers
-    ]
+    global layers, :class:`MarginRotatingKVCache` for sliding-window ones, and a
+    quantized cache for every layer of a model with ``kv_bits``."""
+    caches: list[Any] = []
+    for layer in spec.layers:
+        q = layer.quantization
+        if q is not None:
+            caches.append(BlockQuantizedKVCache(group_size=q.group_size, bits=q.bits))
+        elif layer.window is None:
+            caches.append(KVCache())
+        else:
+            caches.append(MarginRotatingKVCache(layer.window))
+    return caches

@@ -16,6 +16,7 @@ from ._blocks import to_cache
 from ._margin import MarginRotatingKVCache, make_cache
 from ._pool import KVBlock, Reservation
 from ._prefix import Source
+from ._quantized import BlockQuantizedKVCache, sliced
 from ._spec import BLOCK_SIZE, ModelCacheSpec
 
 
@@ -115,6 +116,9 @@ def snapshot(cache: list[Any]) -> list[Any]:
             copy: Any = MarginRotatingKVCache(c.max_size)
             copy.keys, copy.values = keys[..., -held:, :], values[..., -held:, :]
             copy._idx = held
+        elif isinstance(c, BlockQuantizedKVCache):
+            copy = BlockQuantizedKVCache(group_size=c.group_size, bits=c.bits)
+            copy.keys, copy.values = sliced(c.keys, 0, c.offset), sliced(c.values, 0, c.offset)
         else:
             copy = KVCache()
             copy.keys, copy.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]

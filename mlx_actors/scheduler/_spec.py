@@ -12,6 +12,7 @@ from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from ..errors import UnsupportedModelError
+from ._quantized import KVQuantization
 
 #: Tokens per block: the growth step of mlx-lm's ``KVCache``.
 BLOCK_SIZE = 256
@@ -43,14 +44,33 @@ class LayerSpec:
     key_dim: int
     #: Size of one value head.
     value_dim: int
-    #: Element type of keys and values.
+    #: Element type of keys and values (of the model's computation).
     dtype: mx.Dtype
+    #: How the cache is quantized (``kv_bits``), if it is.
+    quantization: KVQuantization | None = None
+
+    @property
+    def stored_dtype(self) -> mx.Dtype:
+        """Element type of a block's arrays: ``uint16`` for a quantized cache (its
+        data, scales and biases packed: :mod:`._quantized`)."""
+        return self.dtype if self.quantization is None else mx.uint16
+
+    @property
+    def stored_key_dim(self) -> int:
+        """Last dimension of a block's keys array."""
+        q = self.quantization
+        return self.key_dim if q is None else q.width(self.key_dim, self.dtype)
+
+    @property
+    def stored_value_dim(self) -> int:
+        q = self.quantization
+        return self.value_dim if q is None else q.width(self.value_dim, self.dtype)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one full block (keys and values) of this layer."""
-        per_token = self.kv_heads * (self.key_dim + self.value_dim) * self.dtype.size
-        return per_token * BLOCK_SIZE
+        per_token = self.kv_heads * (self.stored_key_dim + self.stored_value_dim)
+        return per_token * self.stored_dtype.size * BLOCK_SIZE
 
 
 @attrs.frozen(kw_only=True)
@@ -86,24 +106,44 @@ class ModelCacheSpec:
         windows, not the margins: see :func:`max_blocks_for_layer`)."""
         return sum(blocks_for_layer(layer, tokens) for layer in self.layers)
 
+    @property
+    def quantization(self) -> KVQuantization | None:
+        """How the cache is quantized (every layer alike), if it is."""
+        return self.layers[0].quantization if self.layers else None
+
     @classmethod
-    def from_model(cls, model: Module) -> ModelCacheSpec:
-        """Read the cache spec of ``model`` by running one token through a fresh cache.
+    def from_model(
+        cls, model: Module, *, quantization: KVQuantization | None = None
+    ) -> ModelCacheSpec:
+        """Read the cache spec of ``model`` by running one token through a fresh cache;
+        with ``quantization``, its blocks hold quantized keys and values.
 
         Raises:
             UnsupportedModelError: if a layer's cache is neither mlx-lm's ``KVCache``
                 nor a plain ``RotatingKVCache`` (recurrent ``ArraysCache`` layers of
-                hybrid models, chunked or quantized caches...).
+                hybrid models, chunked or quantized caches...), or if a quantized cache
+                is asked of sliding-window layers (not supported yet).
+            InvalidRequestError: the heads cannot be quantized in those groups.
         """
         cache = make_prompt_cache(model)
         for i, c in enumerate(cache):
             _check_cache_type(i, c)
         model(mx.array([[0]], dtype=mx.uint32), cache=cache)
         mx.eval([c.state for c in cache])
-        layers = []
+        layers: list[LayerSpec] = []
         for c in cache:
             keys, values = c.keys, c.values
             sliding = type(c) is RotatingKVCache
+            if quantization is not None:
+                if sliding:
+                    raise UnsupportedModelError(
+                        f"layer {len(layers)} is a sliding-window layer: a quantized cache "
+                        "(kv_bits) is supported for models whose layers are all global "
+                        "(Llama, Qwen...), not yet for sliding-window ones (Gemma 3); "
+                        "use kv_bits=None with this model"
+                    )
+                quantization.check(int(keys.shape[3]), f"layer {len(layers)}'s keys")
+                quantization.check(int(values.shape[3]), f"layer {len(layers)}'s values")
             layers.append(
                 LayerSpec(
                     kind=LayerKind.SLIDING if sliding else LayerKind.GLOBAL,
@@ -112,6 +152,7 @@ class ModelCacheSpec:
                     key_dim=int(keys.shape[3]),
                     value_dim=int(values.shape[3]),
                     dtype=keys.dtype,
+                    quantization=quantization,
                 )
             )
         return cls(layers=tuple(layers), context_length=_context_length(model))
