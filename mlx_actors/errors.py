@@ -16,6 +16,7 @@ __all__ = [
     "ModelMismatchError",
     "ModelNotFoundError",
     "PoolExhaustedError",
+    "ReplicaLostError",
     "ReplyFormatError",
     "RuntimeClosedError",
     "StateInUseError",
@@ -84,6 +85,12 @@ class AgentClosedError(MlxActorsError, RuntimeError):
 
 class RuntimeClosedError(MlxActorsError, RuntimeError):
     """The runtime shut down before the request could be answered."""
+
+
+class ReplicaLostError(RuntimeClosedError):
+    """A cluster's replica (a process with its own runtime) died with the request in
+    flight; its agents come back on another replica from their last saved state, and
+    the request can be made again."""
 
 
 class TurnTimeoutError(MlxActorsError, TimeoutError):

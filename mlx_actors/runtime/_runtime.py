@@ -31,6 +31,7 @@ from ..errors import (
     CorruptStateError,
     InvalidRequestError,
     MlxActorsError,
+    ModelMismatchError,
     RuntimeClosedError,
     StateWriteError,
     UnknownAgentError,
@@ -437,6 +438,95 @@ class Runtime:
         """The agents' keeper: save an agent after each turn (``persist="turn"``)."""
         if self._state is not None and self._state.persist == "turn":
             await self._keep(agent)
+
+    # -- moving agents between runtimes (a cluster's replicas) ---------------------------
+
+    async def detach(self, name: str) -> None:
+        """Save agent ``name`` and stop it here, leaving its conversation and cache in
+        the state directory for another runtime to take with :meth:`adopt`; then
+        :meth:`forget_detached` deletes them. Needs a ``state_dir``.
+
+        Raises:
+            UnknownAgentError: no live agent is called ``name``.
+            StateWriteError: it could not be saved (it stays live here).
+        """
+        state = self._need_state("detach")
+        agent = self.agent(name)
+        await self._keep(agent)
+        async with self._keeping.setdefault(name, anyio.Lock()):
+            if self._kept.get(name) is agent:
+                del self._kept[name]  # no later save, and no deletion when it stops
+        await agent._stop(AgentClosedError(f"agent {name!r} moved to another runtime"))
+        await self._scheduler.forget(name, drop=False)
+        await self._scheduler.idle_disk()
+        del state
+
+    async def forget_detached(self, name: str) -> None:
+        """Delete what the state directory kept of an agent :meth:`detach` stopped."""
+        state = self._need_state("forget_detached")
+        if name in self._agents:
+            raise InvalidRequestError(f"agent {name!r} is live here: close() it instead")
+        await self._scheduler.forget(name, drop=True)
+        await state.delete(name)
+
+    async def adopt(self, source: str | os.PathLike[str], name: str) -> Agent:
+        """Bring agent ``name`` here from another runtime's state directory ``source``
+        (one that :meth:`detach` ed it, or whose process died): its settings,
+        conversation, tools' descriptions and cache, exactly; its next turn prefills
+        only new tokens. The other directory is only read. Needs a ``state_dir``.
+
+        Raises:
+            ModelMismatchError: ``source`` was written by another model or setting.
+            UnknownAgentError: ``source`` holds no agent called ``name``.
+            InvalidRequestError: the name is taken here.
+        """
+        state = self._need_state("adopt")
+        other = StateDir(source, persist="turn")
+        if await anyio.to_thread.run_sync(other.identity) != await anyio.to_thread.run_sync(
+            state.identity
+        ):
+            raise ModelMismatchError(
+                f"{other.path} was written by another model or kv setting than {state.path}"
+            )
+        record = await anyio.to_thread.run_sync(other.record, name)
+        await self._name_free(name)
+        self.check_new_name(name)
+        self._claimed.add(name)
+        try:
+            tokens: tuple[int, ...] = ()
+            blocks = 0
+            try:
+                image = await other.caches().load(name)
+            except MlxActorsError as exc:  # the conversation comes; the cache does not
+                self.log.error("blocks.lost", agent=name, error=str(exc))
+            else:
+                await self._store.save(name, image)
+                tokens, blocks = image.tokens, image.num_blocks
+                self._scheduler.adopt(name, tokens)
+            await state.save(record)
+            agent = await self._start_agent(
+                name,
+                system=record.system,
+                options=record.options,
+                mailbox_size=self._mailbox_size,
+                messages=[Message.from_dict(m) for m in record.messages],
+                turns=record.turns,
+                cached=(len(tokens), blocks),
+                tools=[
+                    Tool(name=t["name"], description=t["description"], parameters=t["parameters"])
+                    for t in record.tools
+                ],
+            )
+        finally:
+            self._claimed.discard(name)
+        self.log.info("agent.adopted", agent=name, source=str(other.path))
+        return agent
+
+    def _need_state(self, what: str) -> StateDir:
+        self._check_running()
+        if self._state is None:
+            raise InvalidRequestError(f"{what} needs a Runtime with a state_dir")
+        return self._state
 
     def closing(self, agent: Agent) -> None:
         """The agents' keeper: ``agent.close()`` began; its name stays taken until

@@ -18,6 +18,7 @@ from ..errors import (
     InvalidRequestError,
     ModelMismatchError,
     StateInUseError,
+    UnknownAgentError,
 )
 from ..scheduler import MAX_STOP_CHARS, MAX_STOPS, SEEDS
 from ._default import sha256_of
@@ -240,6 +241,26 @@ class StateDir:
                 }
             ),
         )
+
+    def identity(self) -> tuple[object, object]:
+        """The weights checksum and cache quantization ``runtime.json`` records (``None``
+        for either if the directory has none)."""
+        marker = self.path / "runtime.json"
+        if not os.path.lexists(marker):
+            return None, None
+        known = read_json(marker)
+        if not isinstance(known, dict):
+            raise CorruptStateError(f"{marker} is not a runtime record")
+        if known.get("format") == FORMAT:
+            known = checked(marker, known)
+        return known.get("weights_sha256"), known.get("kv_cache")
+
+    def record(self, name: str) -> AgentRecord:
+        """The saved record of agent ``name`` (:class:`UnknownAgentError` if none)."""
+        for record in self.records():
+            if record.name == name:
+                return record
+        raise UnknownAgentError(f"{self.path} holds no agent called {name!r}")
 
     def caches(self) -> DiskCacheStore:
         return DiskCacheStore(self.path / "caches", persistent=self.persist == "turn")

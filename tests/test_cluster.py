@@ -1,0 +1,117 @@
+"""The cluster on a local Ray instance started by the tests: two replicas of a tiny model
+answer exactly as one runtime does, placement is sticky and keeps a shared brief on one
+replica, moves go through saved state exactly, and a replica killed mid-turn gives a
+typed error while its agents come back elsewhere as they were."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import ray
+
+from mlx_actors import Runtime
+from mlx_actors.cluster import Cluster
+from mlx_actors.errors import ReplicaLostError
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    """One local Ray instance for the module (a cluster joins a running one)."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+OPTIONS: dict[str, Any] = dict(replicas=2, pool_blocks=100, log_level="off")
+
+
+async def single_runtime(model: Path, script: list[tuple[str, str, str]]) -> list[tuple[int, ...]]:
+    """The same asks, in order, through one local runtime: (agent, system, text) each."""
+    async with Runtime(model, pool_blocks=200, log_level="off") as rt:
+        out = []
+        for name, system, text in script:
+            agent = rt.agents.get(name) or await rt.spawn(name, system=system, max_tokens=12)
+            out.append((await agent.ask(text)).tokens)
+        return out
+
+
+async def test_replies_match_one_runtime_and_placement_is_sticky(tiny_dir: Path) -> None:
+    script = [
+        (f"a{i}", f"You are agent {i}.", f"Turn {t} for a{i}") for t in range(2) for i in range(4)
+    ]
+    async with Cluster(tiny_dir, **OPTIONS) as cl:
+        for i in range(4):
+            await cl.spawn(f"a{i}", system=f"You are agent {i}.", max_tokens=12)
+        placed = {name: cl.replica_of(name) for name in cl.agents}
+        assert sorted(placed.values()) == [0, 0, 1, 1]  # the least busy replica each time
+        got = [(await cl.agent(name).ask(text)).tokens for name, _, text in script]
+        assert {name: cl.replica_of(name) for name in cl.agents} == placed  # sticky
+        stats = await cl.stats()
+        assert sum(s.turns for s in stats.replicas.values()) == len(script)
+    assert got == await single_runtime(tiny_dir, script)
+
+
+async def test_agents_that_share_a_long_brief_share_a_replica(tiny_dir: Path) -> None:
+    brief = "The brief every reviewer reads. " * 20
+    async with Cluster(tiny_dir, **OPTIONS) as cl:
+        other = await cl.spawn("other", system="Someone else.")
+        team = [await cl.spawn(f"r{i}", system=f"{brief}You are reviewer {i}.") for i in range(3)]
+        # Alone, the second and third reviewers would go to the less busy replica.
+        assert {agent.replica for agent in team} == {1 - other.replica}
+
+
+async def test_a_moved_agent_goes_on_exactly(tiny_dir: Path) -> None:
+    script = [("ann", "You are Ann.", "Hello"), ("ann", "You are Ann.", "And then?")]
+    async with Cluster(tiny_dir, **OPTIONS) as cl:
+        ann = await cl.spawn("ann", system="You are Ann.", max_tokens=12)
+        first = await ann.ask("Hello")
+        source = ann.replica
+        await cl.move("ann", 1 - source)
+        assert ann.replica == 1 - source
+        second = await ann.ask("And then?")
+        assert second.usage.cached_tokens > 0  # its cache came along
+    assert [first.tokens, second.tokens] == await single_runtime(tiny_dir, script)
+
+
+async def test_a_replica_killed_mid_turn_loses_nothing_that_was_answered(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    script = [("ann", "You are Ann.", "Hello"), ("ann", "You are Ann.", "Still there?")]
+    async with Cluster(tiny_dir, state_dir=tmp_path, **OPTIONS) as cl:
+        ann = await cl.spawn("ann", system="You are Ann.", max_tokens=12)
+        bob = await cl.spawn("bob", system="You are Bob.", max_tokens=12)
+        first = await ann.ask("Hello")
+        before = await ann.history()
+        victim = ann.replica
+        outcome: list[BaseException] = []
+
+        async def long_turn() -> None:
+            try:
+                await ann.ask("Talk for long.", max_tokens=100_000, logit_bias={258: -1e9})
+            except ReplicaLostError as exc:
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long_turn)
+            deadline = time.monotonic() + 60
+            while not (await cl.stats()).replicas[victim].turns_in_flight:  # it runs
+                assert time.monotonic() < deadline
+                await anyio.sleep(0.05)
+            ray.kill(cl._handles[victim])
+        assert len(outcome) == 1 and isinstance(outcome[0], ReplicaLostError)
+        assert ann.replica != victim and bob.replica != victim
+        assert await ann.history() == before  # the killed turn is not kept
+        second = await ann.ask("Still there?")
+        assert second.usage.cached_tokens > 0  # its saved cache came along
+        assert (await cl.stats()).placement == {"ann": ann.replica, "bob": bob.replica}
+    assert [first.tokens, second.tokens] == await single_runtime(tiny_dir, script)
+    async with Cluster(tiny_dir, state_dir=tmp_path, **OPTIONS) as cl:  # one home each
+        assert sorted(cl.agents) == ["ann", "bob"]
+        assert len(await cl.agent("ann").history()) == 5
