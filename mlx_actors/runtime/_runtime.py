@@ -307,19 +307,7 @@ class Runtime:
             if tokens:
                 self._scheduler.adopt(record.name, tokens)
             assert self._scheduler.spec is not None
-            await self._start_agent(
-                record.name,
-                system=record.system,
-                options=record.options,
-                mailbox_size=self._mailbox_size,
-                messages=[Message.from_dict(m) for m in record.messages],
-                turns=record.turns,
-                cached=(len(tokens), blocks),
-                tools=[
-                    Tool(name=t["name"], description=t["description"], parameters=t["parameters"])
-                    for t in record.tools
-                ],
-            )
+            await self._start_saved(record, tokens, blocks)
             self.log.info("agent.resumed", agent=record.name, cached_tokens=len(tokens))
 
     def _cleanup(self) -> None:
@@ -504,19 +492,7 @@ class Runtime:
                 tokens, blocks = image.tokens, image.num_blocks
                 self._scheduler.adopt(name, tokens)
             await state.save(record)
-            agent = await self._start_agent(
-                name,
-                system=record.system,
-                options=record.options,
-                mailbox_size=self._mailbox_size,
-                messages=[Message.from_dict(m) for m in record.messages],
-                turns=record.turns,
-                cached=(len(tokens), blocks),
-                tools=[
-                    Tool(name=t["name"], description=t["description"], parameters=t["parameters"])
-                    for t in record.tools
-                ],
-            )
+            agent = await self._start_saved(record, tokens, blocks)
         finally:
             self._claimed.discard(name)
         self.log.info("agent.adopted", agent=name, source=str(other.path))
@@ -677,6 +653,25 @@ class Runtime:
             self._claimed.discard(name)
         await self._first_save(agent)
         return agent
+
+    async def _start_saved(
+        self, record: AgentRecord, tokens: tuple[int, ...], blocks: int
+    ) -> Agent:
+        """Start an agent as ``record`` saved it, its cache (``tokens``, in ``blocks``
+        blocks) on disk."""
+        return await self._start_agent(
+            record.name,
+            system=record.system,
+            options=record.options,
+            mailbox_size=self._mailbox_size,
+            messages=[Message.from_dict(m) for m in record.messages],
+            turns=record.turns,
+            cached=(len(tokens), blocks),
+            tools=[
+                Tool(name=t["name"], description=t["description"], parameters=t["parameters"])
+                for t in record.tools
+            ],
+        )
 
     async def _start_agent(self, name: str, *, mailbox_size: int | None, **kwargs: Any) -> Agent:
         assert self._tg is not None
