@@ -115,3 +115,20 @@ async def test_a_replica_killed_mid_turn_loses_nothing_that_was_answered(
     async with Cluster(tiny_dir, state_dir=tmp_path, **OPTIONS) as cl:  # one home each
         assert sorted(cl.agents) == ["ann", "bob"]
         assert len(await cl.agent("ann").history()) == 5
+
+
+async def test_a_remote_stream_gives_the_pieces_then_the_reply(tiny_dir: Path) -> None:
+    async with Cluster(tiny_dir, **OPTIONS) as cl:
+        ann = await cl.spawn("ann", system="You are Ann.", max_tokens=12)
+        async with ann.stream("Hello") as pieces:
+            text = "".join([piece async for piece in pieces])
+        first = pieces.reply
+        assert text == first.text and first.tokens
+        history = await ann.history()
+        async with ann.stream("Talk for long.", max_tokens=100_000) as cut:
+            async for _ in cut:
+                break  # leaving early cancels the turn there
+        assert await ann.history() == history
+        again = await ann.ask("Hello again")
+    script = [("ann", "You are Ann.", "Hello"), ("ann", "You are Ann.", "Hello again")]
+    assert [first.tokens, again.tokens] == await single_runtime(tiny_dir, script)

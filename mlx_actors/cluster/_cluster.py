@@ -264,8 +264,23 @@ class Cluster:
             self._ray.cancel(ref)  # the turn is undone there, as on any cancel
             raise
         except self._ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
-            raise cause from None
+            raise _cause(exc) from None
+
+    async def _get(self, index: int, fetch: Any) -> Any:
+        """``fetch()`` on a worker thread (it waits on Ray), with :meth:`_call`'s
+        handling of a replica that died and of errors raised there."""
+        try:
+            return await anyio.to_thread.run_sync(
+                fetch, abandon_on_cancel=True, limiter=self._limiter
+            )
+        except self._ray.exceptions.RayTaskError as exc:
+            raise _cause(exc) from None
+        except self._ray.exceptions.RayActorError:
+            await self._recover(index)
+            raise ReplicaLostError(
+                f"replica {index} died during a stream; its agents were brought back on "
+                "the other replicas from their last saved state: make the request again"
+            ) from None
 
     async def _recover(self, index: int) -> None:
         """Replica ``index`` died: adopt its agents, from its state directory, on the
@@ -309,6 +324,11 @@ class RemoteAgent:
         reply: Reply = await self.cluster._on_agent(self.name, "ask", text, settings)
         return reply
 
+    def stream(self, text: str, **settings: Any) -> RemoteTurnStream:
+        """As :meth:`Agent.stream`: ``async with agent.stream(text) as pieces``, each
+        piece as the replica generates it, then ``pieces.reply``."""
+        return RemoteTurnStream(self, text, settings)
+
     async def tell(self, text: str, **settings: Any) -> None:
         await self.cluster._on_agent(self.name, "tell", text, settings)
 
@@ -333,10 +353,65 @@ class RemoteAgent:
         return history
 
 
+class RemoteTurnStream:
+    """The text of one turn of a :class:`RemoteAgent`, as its replica generates it (a
+    Ray streaming generator). Leaving the ``async with`` block early cancels the turn
+    there; the agent is left as it was before it."""
+
+    def __init__(self, agent: RemoteAgent, text: str, settings: dict[str, Any]) -> None:
+        self._agent, self._text, self._settings = agent, text, settings
+        self._generator: Any = None
+        self._reply: Reply | None = None
+
+    @property
+    def reply(self) -> Reply:
+        if self._reply is None:
+            raise RuntimeError("the turn has not finished: read the stream to its end first")
+        return self._reply
+
+    async def __aenter__(self) -> RemoteTurnStream:
+        cluster = self._agent.cluster
+        index = cluster.replica_of(self._agent.name)
+        method = cluster._handles[index].stream.options(num_returns="streaming")
+        self._generator = method.remote(self._agent.name, self._text, self._settings)
+        self._index = index
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._reply is None and self._generator is not None:
+            self._agent.cluster._ray.cancel(self._generator)  # undone there
+
+    def __aiter__(self) -> RemoteTurnStream:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._reply is not None:
+            raise StopAsyncIteration
+        if self._generator is None:
+            await self.__aenter__()
+        cluster = self._agent.cluster
+
+        def next_item() -> Any:
+            return cluster._ray.get(next(self._generator))
+
+        item = await cluster._get(self._index, next_item)
+        if isinstance(item, Reply):
+            self._reply = item
+            raise StopAsyncIteration
+        assert isinstance(item, str)
+        return item
+
+
 def _prefix(system: str | None) -> str | None:
     if system is None or len(system) < SHARED_PREFIX_CHARS:
         return None
     return system[:SHARED_PREFIX_CHARS]
+
+
+def _cause(error: Any) -> BaseException:
+    """The error raised in a replica, as it was (Ray wraps it)."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
 
 
 async def _all(calls: Any) -> list[Any]:

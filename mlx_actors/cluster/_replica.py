@@ -9,6 +9,7 @@ task that entered it), and the methods call its agents from their own tasks.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,16 @@ class Replica:
 
     async def ask(self, name: str, text: str, kwargs: dict[str, Any]) -> Reply:
         return await self._runtime().agent(name).ask(text, **kwargs)
+
+    async def stream(
+        self, name: str, text: str, kwargs: dict[str, Any]
+    ) -> AsyncIterator[str | Reply]:
+        """The turn's text pieces, then its :class:`Reply` (a Ray streaming generator:
+        the cluster reads each item as it is yielded)."""
+        async with self._runtime().agent(name).stream(text, **kwargs) as pieces:
+            async for piece in pieces:
+                yield piece
+        yield pieces.reply
 
     async def tell(self, name: str, text: str, kwargs: dict[str, Any]) -> None:
         await self._runtime().agent(name).tell(text, **kwargs)
