@@ -21,6 +21,11 @@ holds only one of the two agents: the twin's turn pushes the reader out, then th
 reader asks again. ``evicted-memory`` keeps evicted caches in host memory
 (``host_bytes``), ``evicted-disk`` does not (``host_bytes=0``: the files are read).
 Their reader has one turn more in its history than the other modes' reader.
+
+On MLX's CUDA backend, blocks go to and from host memory through the CUDA driver's copy
+engine (``mlx_actors/scheduler/_transfer.py``); ``--plain-copies`` adds the modes
+``restore-plain`` and ``evicted-memory-plain``, the same with ``MLX_ACTORS_CUDA_COPIES=0``
+(numpy into MLX arrays, as before), run in the same alternation.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import random
 import shutil
 import statistics
@@ -128,6 +134,7 @@ async def answer_evicted(
         "ttft_ms": reply.ttft_s * 1e3,
         "read_ms": last["blocks.read"].get("ms", 0.0),
         "inject_ms": last["blocks.restored"].get("ms", 0.0),
+        "evict_ms": last["blocks.evicted"].get("ms", 0.0),
         "prefill_tokens": reply.usage.prompt_tokens,
         "cached_tokens": reply.usage.cached_tokens,
         "tokens": list(reply.tokens),
@@ -171,6 +178,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             history = await build(model, base, filler(tokenizer, target))
             size = sum(f.stat().st_size for f in (base / "caches" / "reader").iterdir())
             modes = ["restore", "reprefill", "evicted-memory", "evicted-disk"]
+            if args.plain_copies:
+                modes += ["restore-plain", "evicted-memory-plain"]
             runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
             for repeat in range(args.repeats):
                 for mode in modes if repeat % 2 == 0 else modes[::-1]:
@@ -178,8 +187,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     shutil.copytree(base, work)
                     if mode == "reprefill":
                         shutil.rmtree(work / "caches")
+                    os.environ["MLX_ACTORS_CUDA_COPIES"] = "0" if mode.endswith("plain") else "1"
                     if mode.startswith("evicted"):
-                        host = 1 << 36 if mode == "evicted-memory" else 0
+                        host = 0 if mode == "evicted-disk" else 1 << 36
                         result = await answer_evicted(model, work, args.new_tokens, history, host)
                     else:
                         result = await answer(model, work, args.new_tokens)
@@ -188,6 +198,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             first = {mode: r[0] for mode, r in runs.items()}
             assert first["restore"]["tokens"] == first["reprefill"]["tokens"], "replies differ"
             assert first["evicted-memory"]["tokens"] == first["evicted-disk"]["tokens"]
+            for mode in modes[4:]:
+                twin = "restore" if mode.startswith("restore") else "evicted-memory"
+                assert first[mode]["tokens"] == first[twin]["tokens"], "replies differ"
             assert first["restore"]["cached_tokens"] > 0, "the cache was not used"
             assert first["reprefill"]["cached_tokens"] == 0, "the cache was not deleted"
             med = functools.partial(median, runs)
@@ -218,11 +231,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             "ttft_ms": med(mode, "ttft_ms"),
                             "read_ms": med(mode, "read_ms"),
                             "inject_ms": med(mode, "inject_ms"),
+                            **(
+                                {"evict_ms": med(mode, "evict_ms")}
+                                if "evict_ms" in first[mode]
+                                else {}
+                            ),
                             "reprefill_over_this_ttft": round(
                                 med("reprefill", "ttft_ms") / med(mode, "ttft_ms"), 2
                             ),
                         }
-                        for mode in ("evicted-memory", "evicted-disk")
+                        for mode in modes
+                        if mode not in ("restore", "reprefill")
                     },
                     "speedup": round(statistics.median(ratios), 2),
                     "ttft_speedup": round(
@@ -247,6 +266,11 @@ def main() -> None:
     parser.add_argument("--histories", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode; medians reported")
+    parser.add_argument(
+        "--plain-copies",
+        action="store_true",
+        help="also run restore and evicted-memory with MLX_ACTORS_CUDA_COPIES=0",
+    )
     args = parser.parse_args()
     print(json.dumps(anyio.run(run, args), indent=2))
 

@@ -14,6 +14,7 @@ from ._blocks import check_blocks
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefix import Node, PrefixIndex
 from ._spec import BLOCK_SIZE
+from ._transfer import to_device, to_host
 
 #: Same-width unsigned types: a bit-exact host copy of any key/value dtype (bf16 too).
 _BITS = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}
@@ -91,7 +92,8 @@ def take_image(
             entries.append(BlockEntry(layer=b.layer, start=b.start, end=b.end, key=b.id, ref=ref))
         layers.append(tuple(entries))
     mx.eval(list(pending.values()))
-    arrays = {key: (np.array(k), np.array(v)) for key, (k, v) in pending.items()}
+    copies = iter(to_host([a for pair in pending.values() for a in pair]))
+    arrays = {key: (next(copies), next(copies)) for key in pending}
     return CacheImage(
         tokens=blocks.tokens,
         layers=tuple(layers),
@@ -148,13 +150,18 @@ def make_blocks(
                 row.append((e, node, block))
             plan.append(row)
         reservation = reserve(sum(1 for row in plan for _, _, b in row if b is None))
+        wanted = list(dict.fromkeys(e.key for row in plan for e, _, b in row if b is None))
+        bits = to_device([_bits(image, key, which, dtype) for key in wanted for which in (0, 1)])
+        arrays = {
+            key: (bits[2 * i].view(dtype), bits[2 * i + 1].view(dtype))
+            for i, key in enumerate(wanted)
+        }
         layers = []
         for number, row in enumerate(plan):
             out = []
             for e, node, block in row:
                 if block is None:
-                    keys = _array(image, e.key, 0, dtype)
-                    values = _array(image, e.key, 1, dtype)
+                    keys, values = arrays[e.key]
                     block = reservation.allocate(number, e.start, keys, values)
                     made.append(block)
                     index.attach(node, block)
@@ -189,7 +196,7 @@ def _as_bits(a: mx.array) -> mx.array:
     return a.view(_BITS[a.dtype.size])
 
 
-def _array(image: CacheImage, key: int, which: int, dtype: mx.Dtype) -> mx.array:
+def _bits(image: CacheImage, key: int, which: int, dtype: mx.Dtype) -> np.ndarray:
     try:
         bits = image.arrays[key][which]
     except KeyError:
@@ -198,7 +205,7 @@ def _array(image: CacheImage, key: int, which: int, dtype: mx.Dtype) -> mx.array
         raise CacheReconstructionError(
             f"block {key} holds {bits.dtype.itemsize}-byte values, the cache {dtype.size}-byte"
         )
-    return mx.array(bits).view(dtype)
+    return bits
 
 
 def stored_ids(image: CacheImage, blocks: AgentBlocks) -> dict[int, str]:

@@ -1,0 +1,187 @@
+"""Copies of cache blocks between host memory (numpy) and the device, on the engine thread.
+
+Everywhere but MLX's CUDA backend these are ``mx.array(bits)`` and ``np.array(a)``.
+
+On CUDA (MLX 0.32), every MLX buffer is managed memory. An array made from numpy is
+written on the host and moves to the GPU page by page when a kernel first reads it
+(about 1.3 GB/s on an H100); an array read with numpy moves to the host the same way,
+and back again when a kernel next reads it. There this module copies with the CUDA
+driver's copy engine instead: ``cuMemcpyHtoDAsync`` into buffers MLX allocated and
+filled on the device, ``cuMemcpyDtoHAsync`` out of them, on a stream of its own, which
+leaves the pages where they are. The driver is reached through ``ctypes`` (MLX exposes
+no such copy); a pointer is used only once the driver confirms it is managed memory of
+the right size. Any failure (no driver, a driver error, a buffer that is not MLX's)
+falls back to the plain copies for the whole batch, and ``MLX_ACTORS_CUDA_COPIES=0``
+turns the driver path off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, cast
+
+import mlx.core as mx
+import numpy as np
+
+#: Unsigned types of a block's bits, numpy to MLX.
+_MX_BITS = {
+    np.dtype(np.uint8): mx.uint8,
+    np.dtype(np.uint16): mx.uint16,
+    np.dtype(np.uint32): mx.uint32,
+}
+_NP_BITS = {v: k for k, v in _MX_BITS.items()}
+
+_CU_POINTER_ATTRIBUTE_IS_MANAGED = 8
+_CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
+_CU_STREAM_NON_BLOCKING = 1
+
+
+class _CopyFailed(Exception):
+    pass
+
+
+class _Driver:
+    """The few CUDA driver calls the copies need, on one non-blocking stream."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        ptr, size, vp = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
+        lib.cuInit.argtypes = [ctypes.c_uint]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+        lib.cuCtxSetCurrent.argtypes = [vp]
+        lib.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+        lib.cuStreamSynchronize.argtypes = [vp]
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ptr, vp, size, vp]
+        lib.cuMemcpyDtoHAsync_v2.argtypes = [vp, ptr, size, vp]
+        lib.cuPointerGetAttribute.argtypes = [vp, ctypes.c_int, ptr]
+        self._lib = lib
+        self._check(lib.cuInit(0), "cuInit")
+        self._context = self._current_context()
+        if not self._context:
+            raise _CopyFailed("no CUDA context is current (MLX has not used the GPU)")
+        stream = vp()
+        self._check(lib.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING), "stream")
+        self._stream = stream
+
+    @staticmethod
+    def _check(result: int, what: str) -> None:
+        if result != 0:
+            raise _CopyFailed(f"{what}: CUDA driver error {result}")
+
+    def _current_context(self) -> int:
+        context = ctypes.c_void_p()
+        self._check(self._lib.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+        return context.value or 0
+
+    def enter(self) -> None:
+        """Make MLX's context (the device's primary one) current on this thread."""
+        current = self._current_context()
+        if current == 0:
+            self._check(self._lib.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+        elif current != self._context:
+            raise _CopyFailed("another CUDA context is current on this thread")
+
+    def device_pointer(self, a: mx.array) -> int:
+        view = memoryview(cast(Any, a))  # MLX arrays export their buffer
+        if not view.c_contiguous or view.nbytes != a.nbytes:
+            raise _CopyFailed("the buffer is not one contiguous piece")
+        address: int = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        managed = ctypes.c_uint32()
+        self._check(
+            self._lib.cuPointerGetAttribute(
+                ctypes.byref(managed), _CU_POINTER_ATTRIBUTE_IS_MANAGED, address
+            ),
+            "cuPointerGetAttribute",
+        )
+        extent = ctypes.c_uint64()
+        self._check(
+            self._lib.cuPointerGetAttribute(
+                ctypes.byref(extent), _CU_POINTER_ATTRIBUTE_RANGE_SIZE, address
+            ),
+            "cuPointerGetAttribute",
+        )
+        if managed.value != 1 or extent.value < a.nbytes:
+            raise _CopyFailed("the buffer is not CUDA managed memory of the array's size")
+        return address
+
+    def to_device(self, host: np.ndarray, device: int) -> None:
+        self._check(
+            self._lib.cuMemcpyHtoDAsync_v2(device, host.ctypes.data, host.nbytes, self._stream),
+            "cuMemcpyHtoDAsync",
+        )
+
+    def to_host(self, device: int, host: np.ndarray) -> None:
+        self._check(
+            self._lib.cuMemcpyDtoHAsync_v2(host.ctypes.data, device, host.nbytes, self._stream),
+            "cuMemcpyDtoHAsync",
+        )
+
+    def synchronize(self) -> None:
+        self._check(self._lib.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+
+
+_lock = threading.Lock()
+_loaded: list[_Driver | None] = []
+
+
+def _driver() -> _Driver | None:
+    """The driver path, if MLX computes on a CUDA GPU here and the driver answers."""
+    if os.environ.get("MLX_ACTORS_CUDA_COPIES", "1") == "0":
+        return None
+    with _lock:
+        if not _loaded:
+            driver = None
+            if mx.cuda.is_available() and mx.default_device().type == mx.gpu:
+                mx.eval(mx.zeros((1,)))  # MLX makes its context current on this thread
+                try:
+                    driver = _Driver()
+                except (OSError, AttributeError, _CopyFailed):
+                    driver = None
+            _loaded.append(driver)
+        return _loaded[0]
+
+
+def to_device(host: Sequence[np.ndarray]) -> list[mx.array]:
+    """MLX arrays equal to ``host`` (unsigned bits), on the device."""
+    host = [np.ascontiguousarray(h) for h in host]
+    driver = _driver()
+    if driver is not None and host:
+        out = [mx.zeros(h.shape, _MX_BITS[h.dtype]) for h in host]
+        mx.eval(out)
+        mx.synchronize()
+        try:
+            driver.enter()
+            for h, a in zip(host, out, strict=True):
+                driver.to_device(h, driver.device_pointer(a))
+            driver.synchronize()
+            return out
+        except _CopyFailed:
+            _settle(driver)
+    return [mx.array(h) for h in host]
+
+
+def to_host(arrays: Sequence[mx.array]) -> list[np.ndarray]:
+    """numpy copies of ``arrays`` (unsigned bits, evaluated)."""
+    driver = _driver()
+    if driver is not None and arrays:
+        mx.synchronize()
+        out = [np.empty(a.shape, _NP_BITS[a.dtype]) for a in arrays]
+        try:
+            driver.enter()
+            for a, h in zip(arrays, out, strict=True):
+                driver.to_host(driver.device_pointer(a), h)
+            driver.synchronize()
+            return out
+        except _CopyFailed:
+            _settle(driver)
+    return [np.array(a) for a in arrays]
+
+
+def _settle(driver: _Driver) -> None:
+    """After a failed batch: wait for what was queued before copying the plain way."""
+    with contextlib.suppress(_CopyFailed):
+        driver.synchronize()
