@@ -16,7 +16,7 @@ import ray
 
 from mlx_actors import Runtime
 from mlx_actors.cluster import Cluster
-from mlx_actors.errors import ReplicaLostError
+from mlx_actors.errors import InvalidRequestError, ReplicaLostError, RuntimeClosedError
 
 pytestmark = pytest.mark.anyio
 
@@ -132,3 +132,60 @@ async def test_a_remote_stream_gives_the_pieces_then_the_reply(tiny_dir: Path) -
         again = await ann.ask("Hello again")
     script = [("ann", "You are Ann.", "Hello"), ("ann", "You are Ann.", "Hello again")]
     assert [first.tokens, again.tokens] == await single_runtime(tiny_dir, script)
+
+
+async def test_two_replicas_dying_at_once_lose_no_agent(tiny_dir: Path, tmp_path: Path) -> None:
+    brief = "The brief every reviewer reads. " * 20  # long: its agents share a replica
+    async with Cluster(tiny_dir, state_dir=tmp_path, **{**OPTIONS, "replicas": 3}) as cl:
+        agents = [await cl.spawn(f"r{i}", system=f"{brief}You are {i}.") for i in range(2)]
+        agents += [await cl.spawn(f"a{i}", system=f"You are {i}.") for i in range(4)]
+        for agent in agents:
+            await agent.ask("Hello", max_tokens=4)
+        histories = {agent.name: await agent.history() for agent in agents}
+        survivor = agents[0].replica
+        for index in {0, 1, 2} - {survivor}:
+            ray.kill(cl._handles[index])
+        with pytest.raises(ReplicaLostError):
+            await cl.agent(next(a.name for a in agents if a.replica != survivor)).ask("Hi")
+        assert set((await cl.stats()).placement.values()) == {survivor}
+        for agent in agents:
+            assert await agent.history() == histories[agent.name]
+            assert (await agent.ask("Again", max_tokens=4)).usage.cached_tokens > 0
+        # The brief's agents are still placed together with new ones reading it.
+        newcomer = await cl.spawn("r9", system=f"{brief}You are 9.")
+        assert newcomer.replica == survivor
+
+
+async def test_names_are_unique_and_concurrent_spawns_spread(tiny_dir: Path) -> None:
+    async with Cluster(tiny_dir, **OPTIONS) as cl:
+        placed: dict[str, int] = {}
+
+        async def spawn(name: str) -> None:
+            placed[name] = (await cl.spawn(name, system="Hi.")).replica
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(spawn, f"p{i}")
+        assert sorted(placed.values()) == [0, 0, 1, 1]
+        with pytest.raises(InvalidRequestError, match="already has an agent"):
+            await cl.spawn("P0")  # names ignore case, across replicas
+        with pytest.raises(InvalidRequestError, match="already has an agent"):
+            await cl.agent("p0").fork("p1")
+        assert len(cl.agents) == 4
+    with pytest.raises(RuntimeClosedError):
+        await cl.agent("p0").ask("Hello")
+
+
+async def test_a_smaller_cluster_brings_back_every_agent(tiny_dir: Path, tmp_path: Path) -> None:
+    async with Cluster(tiny_dir, state_dir=tmp_path, **OPTIONS) as cl:
+        for i in range(4):
+            await (await cl.spawn(f"a{i}", system=f"You are {i}.")).ask("Hello", max_tokens=4)
+        assert set((await cl.stats()).placement.values()) == {0, 1}
+    async with Cluster(tiny_dir, state_dir=tmp_path, **{**OPTIONS, "replicas": 1}) as cl:
+        assert sorted(cl.agents) == ["a0", "a1", "a2", "a3"]
+        for name in cl.agents:
+            reply = await cl.agent(name).ask("Again", max_tokens=4)
+            assert reply.usage.cached_tokens > 0  # its cache came along
+    async with Cluster(tiny_dir, state_dir=tmp_path, **OPTIONS) as cl:  # one home each
+        assert sorted(cl.agents) == ["a0", "a1", "a2", "a3"]
+        assert set(cl.replica_of(name) for name in cl.agents) == {0}

@@ -133,7 +133,7 @@ def test_block_bytes_and_settings(wide: Loaded) -> None:
     # f32 heads of 32: 128 bytes each; 8 bits: 32 + a scale and a bias of 4 bytes each.
     assert spec.block_bytes / eight.block_bytes == 128 / 40
     assert spec.block_bytes / four.block_bytes == 128 / 24
-    for bits, group in ((3, 64), (8, 16), (True, 64)):
+    for bits, group in ((3, 64), (8, 16), (True, 64), (8.0, 64), (8, 32.0)):
         with pytest.raises(InvalidRequestError):
             KVQuantization(bits, group)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="kv_group_size"):

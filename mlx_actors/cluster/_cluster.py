@@ -12,7 +12,10 @@ system).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +26,12 @@ import anyio
 import attrs
 
 from ..actors import Message, Reply
-from ..errors import InvalidRequestError, ReplicaLostError, UnknownAgentError
+from ..errors import (
+    InvalidRequestError,
+    ReplicaLostError,
+    RuntimeClosedError,
+    UnknownAgentError,
+)
 from ..runtime import RuntimeStatistics
 from ..runtime._state import StateDir
 from ..runtime._trace import ModuleLog
@@ -91,8 +99,13 @@ class Cluster:
         self._runtime_options = runtime_options
         self._handles: list[Any] = []
         self._alive: list[bool] = []
+        self._started: list[bool] = []
         self._where: dict[str, int] = {}
         self._systems: dict[str, str | None] = {}
+        #: Names of agents being spawned, and where they are going once placed (with
+        #: their system prompt): placement counts them before the replica does.
+        self._claimed: set[str] = set()
+        self._placing: dict[str, tuple[int, str | None]] = {}
         self._owns_ray = False
         self._temporary: tempfile.TemporaryDirectory[str] | None = None
         self._lock = anyio.Lock()
@@ -121,16 +134,51 @@ class Cluster:
             for i in range(self._count)
         ]
         self._alive = [True] * self._count
+        self._started = [False] * self._count
+
+        async def start(index: int) -> dict[str, str | None]:
+            agents: dict[str, str | None] = await self._raw(index, "start")
+            self._started[index] = True
+            return agents
+
         try:
-            found = await _all(self._raw(i, "start") for i in range(self._count))
+            found = await _all(start(i) for i in range(self._count))
+            for index, agents in enumerate(found):
+                for name, system in agents.items():
+                    if self._taken(name):  # written by hand, or by an older version
+                        log.error("agent.duplicate", agent=name, replica=index)
+                        continue
+                    self._where[name], self._systems[name] = index, system
+            await self._adopt_leftovers()
         except BaseException:
-            await self._shutdown()
+            with anyio.CancelScope(shield=True):
+                await self._shutdown()
             raise
-        for index, agents in enumerate(found):
-            for name, system in agents.items():
-                self._where[name], self._systems[name] = index, system
         log.info("cluster.started", replicas=self._count, agents=len(self._where))
         return self
+
+    async def _adopt_leftovers(self) -> None:
+        """Agents of a state directory written by a cluster of more replicas than this
+        one come back on this one's."""
+        assert self._root is not None
+        extra = sorted(
+            int(m[1])
+            for p in self._root.glob("replica-*")
+            if (m := re.fullmatch(r"replica-(\d+)", p.name)) and int(m[1]) >= self._count
+        )
+        for index in extra:
+            where = self._dir(index)
+            try:
+                records = await anyio.to_thread.run_sync(StateDir(where, persist="turn").records)
+            except OSError:
+                continue
+            agents = {r.name: r.system for r in records if not self._taken(r.name)}
+            if agents:
+                log.info("replica.leftover", directory=str(where), agents=len(agents))
+                async with self._lock:
+                    queue: list[int] = []
+                    await self._adopt_all(where, agents, queue)
+                    await self._evacuate(queue)
 
     def _init_ray(self) -> None:
         self._ray.init(
@@ -150,15 +198,19 @@ class Cluster:
             await self._shutdown()
 
     async def _shutdown(self) -> None:
-        for index, alive in enumerate(self._alive):
-            if alive:
-                try:
-                    await self._raw(index, "stop")
-                except Exception as exc:  # a replica that cannot stop still goes
-                    log.error("replica.stop_failed", replica=index, error=repr(exc))
-        for handle in self._handles:
-            self._ray.kill(handle)
-        self._handles, self._alive = [], []
+        try:
+            for index, alive in enumerate(self._alive):
+                # A replica still starting (or never scheduled) is killed, not stopped.
+                if alive and self._started[index]:
+                    try:
+                        await self._raw(index, "stop")
+                    except Exception as exc:  # a replica that cannot stop still goes
+                        log.error("replica.stop_failed", replica=index, error=repr(exc))
+        finally:
+            for handle in self._handles:
+                with contextlib.suppress(Exception):
+                    self._ray.kill(handle)
+            self._handles, self._alive, self._started = [], [], []
         if self._owns_ray:
             await anyio.to_thread.run_sync(self._ray.shutdown)
             self._owns_ray = False
@@ -174,11 +226,39 @@ class Cluster:
 
     async def spawn(self, name: str, **kwargs: Any) -> RemoteAgent:
         """Start an agent on the replica :meth:`place` chooses (``Runtime.spawn``'s
-        arguments; tools run in the replica's process, so they must pickle)."""
-        index = await self.place(kwargs.get("system"))
-        await self._call(index, "spawn", name, kwargs)
-        self._where[name], self._systems[name] = index, kwargs.get("system")
+        arguments; tools run in the replica's process, so they must pickle). Names are
+        unique in the cluster, ignoring case."""
+        return await self._start(name, kwargs.get("system"), None, "spawn", name, kwargs)
+
+    async def _start(
+        self, name: str, system: str | None, index: int | None, method: str, *args: Any
+    ) -> RemoteAgent:
+        """Claim ``name``, place it (on ``index`` if given), and ask that replica to
+        ``method(*args)`` it into being."""
+        self._check_open()
+        if not isinstance(name, str):
+            raise InvalidRequestError(f"an agent's name is a str, got {name!r}")
+        if self._taken(name):
+            raise InvalidRequestError(f"the cluster already has an agent called {name!r}")
+        self._claimed.add(name)
+        try:
+            if index is None:
+                index = await self.place(system)
+            self._placing[name] = (index, system)
+            await self._call(index, method, *args)
+            self._where[name], self._systems[name] = index, system
+        finally:
+            self._placing.pop(name, None)
+            self._claimed.discard(name)
         return RemoteAgent(self, name)
+
+    def _taken(self, name: str) -> bool:
+        folded = name.casefold()
+        return any(n.casefold() == folded for n in (*self._where, *self._claimed))
+
+    def _check_open(self) -> None:
+        if not self._handles:
+            raise RuntimeClosedError("the cluster is not running (use async with Cluster(...))")
 
     def agent(self, name: str) -> RemoteAgent:
         if name not in self._where:
@@ -200,20 +280,32 @@ class Cluster:
         """The replica for a new agent: one holding agents whose system prompt begins
         as this one does (over ``SHARED_PREFIX_CHARS`` characters), else the least
         busy (blocks resident, turns in flight, agents)."""
+        self._check_open()
+        alive = self._candidates(system)
+        loads = await _all(self._call(i, "load") for i in alive)
+        return self._least_busy(dict(zip(alive, loads, strict=True)))
+
+    def _candidates(self, system: str | None) -> list[int]:
+        """Live replicas a new agent with ``system`` may go to: those holding (or being
+        given) agents whose system prompt begins alike, if any, else all."""
         alive = [i for i, ok in enumerate(self._alive) if ok]
         if not alive:
             raise ReplicaLostError("no replica of the cluster is alive")
         key = _prefix(system)
         if key is not None:
-            beside = {self._where[n] for n, s in self._systems.items() if _prefix(s) == key} & set(
-                alive
-            )
+            homes = [(self._where.get(n), s) for n, s in self._systems.items()]
+            homes += list(self._placing.values())
+            beside = {i for i, s in homes if i is not None and _prefix(s) == key} & set(alive)
             if beside:
-                alive = sorted(beside)
-        loads = await _all(self._call(i, "load") for i in alive)
-        # Fewest turns in flight, then fewest blocks resident, then fewest agents.
-        busy = {i: (load[1], load[0], load[2]) for i, load in zip(alive, loads, strict=True)}
-        return min(alive, key=busy.__getitem__)
+                return sorted(beside)
+        return alive
+
+    def _least_busy(self, loads: Mapping[int, tuple[int, int, int]]) -> int:
+        """Fewest turns in flight, then fewest blocks resident, then fewest agents,
+        counting agents being placed there."""
+        coming = collections.Counter(i for i, _ in self._placing.values())
+        busy = {i: (load[1] + coming[i], load[0], load[2] + coming[i]) for i, load in loads.items()}
+        return min(busy, key=busy.__getitem__)
 
     async def move(self, name: str, replica: int) -> None:
         """Move agent ``name`` to ``replica`` through its saved state (exactly: its
@@ -230,19 +322,42 @@ class Cluster:
         log.info("agent.moved", agent=name, source=source, replica=replica)
 
     async def stats(self) -> ClusterStatistics:
+        """Each live replica's statistics (one found dead meanwhile is left out, and its
+        agents brought back elsewhere), and where each agent lives."""
+        self._check_open()
+
+        async def one(index: int) -> RuntimeStatistics | None:
+            try:
+                stats: RuntimeStatistics = await self._call(index, "stats")
+            except ReplicaLostError:
+                return None
+            return stats
+
         alive = [i for i, ok in enumerate(self._alive) if ok]
-        stats = await _all(self._call(i, "stats") for i in alive)
-        replicas = dict(zip(alive, stats, strict=True))
+        found = dict(zip(alive, await _all(one(i) for i in alive), strict=True))
+        replicas = {i: stats for i, stats in found.items() if stats is not None}
         return ClusterStatistics(replicas=replicas, placement=dict(self._where))
 
     # -- calls ------------------------------------------------------------------------------
 
     async def _on_agent(self, name: str, method: str, *args: Any) -> Any:
-        return await self._call(self.replica_of(name), method, name, *args)
+        return await self._call(await self._home(name), method, name, *args)
+
+    async def _home(self, name: str) -> int:
+        """The replica agent ``name`` lives on; if that one died, where it was brought
+        back (waiting for the recovery under way)."""
+        self._check_open()
+        index = self.replica_of(name)
+        if not self._alive[index]:
+            async with self._lock:  # a recovery is moving it
+                pass
+            index = self.replica_of(name)
+        return index
 
     async def _call(self, index: int, method: str, *args: Any) -> Any:
         """Call a replica; if it died, bring its agents back elsewhere, then raise
         :class:`ReplicaLostError`."""
+        self._check_open()
         if not self._alive[index]:
             raise ReplicaLostError(f"replica {index} is gone")
         try:
@@ -284,26 +399,72 @@ class Cluster:
 
     async def _recover(self, index: int) -> None:
         """Replica ``index`` died: adopt its agents, from its state directory, on the
-        others (their last saved turn; what a caller had received was saved first)."""
-        async with self._lock:
-            if not self._alive[index]:
-                return
+        others (their last saved turn; what a caller had received was saved first).
+        Shielded: a caller's cancel or timeout waits for the agents to be placed."""
+        with anyio.CancelScope(shield=True):
+            async with self._lock:
+                queue: list[int] = []
+                self._mark_dead(index, queue)
+                await self._evacuate(queue)
+
+    def _mark_dead(self, index: int, queue: list[int]) -> None:
+        if self._alive[index]:
             self._alive[index] = False
-            self._ray.kill(self._handles[index])
-            lost = [name for name, where in self._where.items() if where == index]
+            with contextlib.suppress(Exception):
+                self._ray.kill(self._handles[index])
+            queue.append(index)
+
+    async def _evacuate(self, queue: list[int]) -> None:
+        """Under the lock: adopt the agents of each dead replica in ``queue`` on the
+        live ones (a replica found dead meanwhile joins the queue)."""
+        while queue:
+            index = queue.pop(0)
+            lost = {n: self._systems.get(n) for n, where in self._where.items() if where == index}
             log.error("replica.lost", replica=index, agents=len(lost))
-            dead = StateDir(self._dir(index), persist="turn")
-            for name in lost:
-                del self._where[name]
+            await self._adopt_all(self._dir(index), lost, queue)
+
+    async def _adopt_all(
+        self, source: Path, agents: Mapping[str, str | None], queue: list[int]
+    ) -> None:
+        """Under the lock: adopt ``agents`` from the state directory ``source`` on live
+        replicas, then delete them there (one home only). An agent that cannot be
+        adopted is lost (logged, and no longer known)."""
+        dead = StateDir(source, persist="turn")
+        for name, system in agents.items():
+            target = None
+            while target is None and any(self._alive):
                 try:
-                    target = await self.place(self._systems.get(name))
-                    await self._raw(target, "adopt", str(self._dir(index)), name)
+                    target = await self._place_now(system, queue)
+                    await self._raw(target, "adopt", str(source), name)
+                except self._ray.exceptions.RayActorError:
+                    if target is not None:
+                        self._mark_dead(target, queue)
+                    target = None
                 except Exception as exc:
                     log.error("agent.lost", agent=name, error=repr(exc))
-                    continue
-                self._where[name] = target
-                await dead.delete(name)  # one home only; its orphan cache goes at a start
-                log.info("agent.recovered", agent=name, replica=target)
+                    break
+            if target is None:
+                if not any(self._alive):
+                    log.error("agent.lost", agent=name, error="no replica is alive")
+                self._where.pop(name, None)
+                self._systems.pop(name, None)
+                continue
+            self._where[name], self._systems[name] = target, system
+            await dead.delete(name)  # its orphan cache goes at a start
+            log.info("agent.recovered", agent=name, replica=target)
+
+    async def _place_now(self, system: str | None, queue: list[int]) -> int:
+        """:meth:`place` for a recovery: replicas that do not answer join ``queue``."""
+        while True:
+            candidates = self._candidates(system)
+            loads = {}
+            for i in candidates:
+                try:
+                    loads[i] = await self._raw(i, "load")
+                except self._ray.exceptions.RayActorError:
+                    self._mark_dead(i, queue)
+            if loads:
+                return self._least_busy(loads)
 
 
 @attrs.frozen(eq=False)
@@ -334,11 +495,10 @@ class RemoteAgent:
 
     async def fork(self, name: str, **settings: Any) -> RemoteAgent:
         """A fork on the same replica (it shares the parent's cache blocks)."""
-        index = self.replica
-        await self.cluster._call(index, "fork", self.name, name, settings)
-        self.cluster._where[name] = index
-        self.cluster._systems[name] = self.cluster._systems.get(self.name)
-        return RemoteAgent(self.cluster, name)
+        cluster = self.cluster
+        index = await cluster._home(self.name)
+        system = settings.get("system", cluster._systems.get(self.name))
+        return await cluster._start(name, system, index, "fork", self.name, name, settings)
 
     async def reset(self) -> None:
         await self.cluster._on_agent(self.name, "reset")
@@ -371,7 +531,7 @@ class RemoteTurnStream:
 
     async def __aenter__(self) -> RemoteTurnStream:
         cluster = self._agent.cluster
-        index = cluster.replica_of(self._agent.name)
+        index = await cluster._home(self._agent.name)
         method = cluster._handles[index].stream.options(num_returns="streaming")
         self._generator = method.remote(self._agent.name, self._text, self._settings)
         self._index = index

@@ -41,9 +41,9 @@ class KVQuantization:
     group_size: int = 64
 
     def __attrs_post_init__(self) -> None:
-        if self.bits not in BITS or isinstance(self.bits, bool):
+        if type(self.bits) is not int or self.bits not in BITS:
             raise InvalidRequestError(f"kv_bits must be one of {BITS} (or None), got {self.bits!r}")
-        if self.group_size not in GROUP_SIZES or isinstance(self.group_size, bool):
+        if type(self.group_size) is not int or self.group_size not in GROUP_SIZES:
             raise InvalidRequestError(
                 f"kv_group_size must be one of {GROUP_SIZES}, got {self.group_size!r}"
             )
