@@ -189,3 +189,18 @@ async def test_a_smaller_cluster_brings_back_every_agent(tiny_dir: Path, tmp_pat
     async with Cluster(tiny_dir, state_dir=tmp_path, **OPTIONS) as cl:  # one home each
         assert sorted(cl.agents) == ["a0", "a1", "a2", "a3"]
         assert set(cl.replica_of(name) for name in cl.agents) == {0}
+
+
+async def test_a_move_the_target_refuses_leaves_the_agent_where_it_was(tiny_dir: Path) -> None:
+    async with Cluster(tiny_dir, **OPTIONS) as cl:
+        ann = await cl.spawn("ann", system="You are Ann.", max_tokens=8)
+        first = await ann.ask("Hello")
+        source = ann.replica
+        # An agent the cluster does not know of takes the name on the target.
+        await cl._raw(1 - source, "spawn", "ann", {})
+        with pytest.raises(InvalidRequestError):
+            await cl.move("ann", 1 - source)
+        assert ann.replica == source
+        assert [m.content for m in await ann.history()][-1] == first.text
+        again = await ann.ask("And then?")
+        assert again.usage.cached_tokens > 0  # its cache is still there

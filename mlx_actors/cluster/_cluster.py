@@ -309,16 +309,24 @@ class Cluster:
 
     async def move(self, name: str, replica: int) -> None:
         """Move agent ``name`` to ``replica`` through its saved state (exactly: its
-        conversation and cache come along; its next turn prefills only new tokens)."""
-        source = self.replica_of(name)
+        conversation and cache come along; its next turn prefills only new tokens).
+        Not cancelled midway; if the target cannot take it, the agent goes on where it
+        was and the target's error is raised."""
+        source = await self._home(name)
         if replica == source:
             return
         if not (0 <= replica < len(self._alive) and self._alive[replica]):
             raise InvalidRequestError(f"replica {replica} is not a live replica")
-        await self._call(source, "detach", name)
-        await self._call(replica, "adopt", str(self._dir(source)), name)
-        self._where[name] = replica
-        await self._call(source, "forget_detached", name)
+        with anyio.CancelScope(shield=True):
+            await self._call(source, "detach", name)
+            try:
+                await self._call(replica, "adopt", str(self._dir(source)), name)
+            except Exception:
+                if self._alive[source]:
+                    await self._call(source, "reattach", name)
+                raise
+            self._where[name] = replica
+            await self._call(source, "forget_detached", name)
         log.info("agent.moved", agent=name, source=source, replica=replica)
 
     async def stats(self) -> ClusterStatistics:

@@ -111,6 +111,9 @@ class Replica:
     async def detach(self, name: str) -> None:
         await self._runtime().detach(name)
 
+    async def reattach(self, name: str) -> None:
+        await self._runtime().reattach(name)
+
     async def forget_detached(self, name: str) -> None:
         await self._runtime().forget_detached(name)
 

@@ -298,17 +298,21 @@ class Runtime:
             if orphan not in names:
                 await self._store.drop(orphan)
         for record in records:
-            try:
-                tokens, blocks = await anyio.to_thread.run_sync(self._store.tokens, record.name)
-            except CorruptStateError as exc:
-                self.log.error("blocks.lost", agent=record.name, error=str(exc))
-                await self._store.drop(record.name)
-                tokens, blocks = (), 0
-            if tokens:
-                self._scheduler.adopt(record.name, tokens)
-            assert self._scheduler.spec is not None
-            await self._start_saved(record, tokens, blocks)
-            self.log.info("agent.resumed", agent=record.name, cached_tokens=len(tokens))
+            await self._resume_one(record)
+
+    async def _resume_one(self, record: AgentRecord) -> Agent:
+        """Start an agent of this state directory as it was saved, its cache on disk."""
+        try:
+            tokens, blocks = await anyio.to_thread.run_sync(self._store.tokens, record.name)
+        except CorruptStateError as exc:
+            self.log.error("blocks.lost", agent=record.name, error=str(exc))
+            await self._store.drop(record.name)
+            tokens, blocks = (), 0
+        if tokens:
+            self._scheduler.adopt(record.name, tokens)
+        agent = await self._start_saved(record, tokens, blocks)
+        self.log.info("agent.resumed", agent=record.name, cached_tokens=len(tokens))
+        return agent
 
     def _cleanup(self) -> None:
         if self._state is not None:
@@ -448,6 +452,19 @@ class Runtime:
         await self._scheduler.forget(name, drop=False)
         await self._scheduler.idle_disk()
         del state
+
+    async def reattach(self, name: str) -> Agent:
+        """Start again an agent :meth:`detach` stopped here (its move failed), as it
+        was saved.
+
+        Raises:
+            InvalidRequestError: an agent of that name is live here.
+            UnknownAgentError: the state directory holds no agent called ``name``.
+        """
+        state = self._need_state("reattach")
+        if name in self._agents:
+            raise InvalidRequestError(f"agent {name!r} is live here")
+        return await self._resume_one(await anyio.to_thread.run_sync(state.record, name))
 
     async def forget_detached(self, name: str) -> None:
         """Delete what the state directory kept of an agent :meth:`detach` stopped."""
