@@ -204,3 +204,12 @@ async def test_a_move_the_target_refuses_leaves_the_agent_where_it_was(tiny_dir:
         assert [m.content for m in await ann.history()][-1] == first.text
         again = await ann.ask("And then?")
         assert again.usage.cached_tokens > 0  # its cache is still there
+
+
+async def test_replicas_the_ray_cluster_cannot_place_are_refused_at_once(tiny_dir: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="GPU"):
+        async with Cluster(tiny_dir, **OPTIONS, replica_options={"num_gpus": 1}):
+            pass
+    with pytest.raises(InvalidRequestError, match="CPU"):
+        async with Cluster(tiny_dir, **OPTIONS, replica_options={"num_cpus": 2}):
+            pass

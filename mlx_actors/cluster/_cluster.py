@@ -123,6 +123,12 @@ class Cluster:
         if not ray.is_initialized():
             await anyio.to_thread.run_sync(self._init_ray)
             self._owns_ray = True
+        try:
+            self._check_resources()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._shutdown()
+            raise
         if self._root is None:
             self._temporary = tempfile.TemporaryDirectory(prefix="mlx-actors-cluster-")
             self._root = Path(self._temporary.name)
@@ -179,6 +185,23 @@ class Cluster:
                     queue: list[int] = []
                     await self._adopt_all(where, agents, queue)
                     await self._evacuate(queue)
+
+    def _check_resources(self) -> None:
+        """Refuse replicas the Ray cluster could never place (they would wait forever)."""
+        options = self._replica_options
+        wanted = {
+            "CPU": options.get("num_cpus", 0),
+            "GPU": options.get("num_gpus", 0),
+            **options.get("resources", {}),
+        }
+        have = self._ray.cluster_resources()
+        for name, amount in wanted.items():
+            if amount and have.get(name, 0) < amount * self._count:
+                raise InvalidRequestError(
+                    f"{self._count} replicas of {amount} {name} each need "
+                    f"{amount * self._count}, and the Ray cluster has {have.get(name, 0)}; "
+                    "change replica_options or replicas, or add nodes (ray start)"
+                )
 
     def _init_ray(self) -> None:
         self._ray.init(
