@@ -172,8 +172,11 @@ async def test_names_are_unique_and_concurrent_spawns_spread(tiny_dir: Path) -> 
         with pytest.raises(InvalidRequestError, match="already has an agent"):
             await cl.agent("p0").fork("p1")
         assert len(cl.agents) == 4
+        p0 = cl.agent("p0")
     with pytest.raises(RuntimeClosedError):
-        await cl.agent("p0").ask("Hello")
+        await p0.ask("Hello")
+    with pytest.raises(RuntimeClosedError):
+        cl.agent("p0")
 
 
 async def test_a_smaller_cluster_brings_back_every_agent(tiny_dir: Path, tmp_path: Path) -> None:
@@ -186,6 +189,9 @@ async def test_a_smaller_cluster_brings_back_every_agent(tiny_dir: Path, tmp_pat
         for name in cl.agents:
             reply = await cl.agent(name).ask("Again", max_tokens=4)
             assert reply.usage.cached_tokens > 0  # its cache came along
+    # What the larger cluster's second replica held is gone from its directory.
+    assert not list((tmp_path / "replica-1" / "agents").glob("*.json"))
+    assert not list((tmp_path / "replica-1" / "caches").rglob("*.safetensors"))
     async with Cluster(tiny_dir, state_dir=tmp_path, **OPTIONS) as cl:  # one home each
         assert sorted(cl.agents) == ["a0", "a1", "a2", "a3"]
         assert set(cl.replica_of(name) for name in cl.agents) == {0}
@@ -213,3 +219,21 @@ async def test_replicas_the_ray_cluster_cannot_place_are_refused_at_once(tiny_di
     with pytest.raises(InvalidRequestError, match="CPU"):
         async with Cluster(tiny_dir, **OPTIONS, replica_options={"num_cpus": 2}):
             pass
+
+
+async def test_a_call_during_a_move_waits_for_it(tiny_dir: Path) -> None:
+    async with Cluster(tiny_dir, **OPTIONS) as cl:
+        ann = await cl.spawn("ann", system="You are Ann.", max_tokens=8)
+        await ann.ask("Hello")
+        target = 1 - ann.replica
+        replies = []
+
+        async def ask() -> None:
+            replies.append(await ann.ask("And then?"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cl.move, "ann", target)
+            tg.start_soon(ask)
+        assert ann.replica == target
+        assert replies[0].usage.cached_tokens > 0
+        assert len(await ann.history()) == 5

@@ -106,6 +106,8 @@ class Cluster:
         #: their system prompt): placement counts them before the replica does.
         self._claimed: set[str] = set()
         self._placing: dict[str, tuple[int, str | None]] = {}
+        #: Agents being moved: calls to them wait for the move (it holds the lock).
+        self._moving: set[str] = set()
         self._owns_ray = False
         self._temporary: tempfile.TemporaryDirectory[str] | None = None
         self._lock = anyio.Lock()
@@ -234,6 +236,8 @@ class Cluster:
                 with contextlib.suppress(Exception):
                     self._ray.kill(handle)
             self._handles, self._alive, self._started = [], [], []
+            self._where.clear()
+            self._systems.clear()
         if self._owns_ray:
             await anyio.to_thread.run_sync(self._ray.shutdown)
             self._owns_ray = False
@@ -284,6 +288,7 @@ class Cluster:
             raise RuntimeClosedError("the cluster is not running (use async with Cluster(...))")
 
     def agent(self, name: str) -> RemoteAgent:
+        self._check_open()
         if name not in self._where:
             raise UnknownAgentError(f"no agent of the cluster is called {name!r}")
         return RemoteAgent(self, name)
@@ -333,24 +338,59 @@ class Cluster:
     async def move(self, name: str, replica: int) -> None:
         """Move agent ``name`` to ``replica`` through its saved state (exactly: its
         conversation and cache come along; its next turn prefills only new tokens).
-        Not cancelled midway; if the target cannot take it, the agent goes on where it
-        was and the target's error is raised."""
+        Calls to the agent wait for the move, which is not cancelled midway. If the
+        target cannot take it, the agent goes on where it was and the target's error
+        is raised (:class:`ReplicaLostError` if the target died)."""
         source = await self._home(name)
         if replica == source:
             return
         if not (0 <= replica < len(self._alive) and self._alive[replica]):
             raise InvalidRequestError(f"replica {replica} is not a live replica")
         with anyio.CancelScope(shield=True):
-            await self._call(source, "detach", name)
+            self._moving.add(name)
             try:
-                await self._call(replica, "adopt", str(self._dir(source)), name)
-            except Exception:
-                if self._alive[source]:
-                    await self._call(source, "reattach", name)
-                raise
-            self._where[name] = replica
-            await self._call(source, "forget_detached", name)
+                async with self._lock:  # no recovery meanwhile
+                    queue: list[int] = []
+                    try:
+                        await self._move(name, source, replica, queue)
+                    finally:
+                        await self._evacuate(queue)
+            finally:
+                self._moving.discard(name)
         log.info("agent.moved", agent=name, source=source, replica=replica)
+
+    async def _move(self, name: str, source: int, target: int, queue: list[int]) -> None:
+        """Under the lock: :meth:`move`'s steps; replicas found dead join ``queue``."""
+        dead = self._ray.exceptions.RayActorError
+        try:
+            await self._raw(source, "detach", name)
+        except dead:
+            self._mark_dead(source, queue)  # the agent is brought back from its files
+            raise ReplicaLostError(f"replica {source} died; agent {name!r} was not moved") from None
+        try:
+            await self._raw(target, "adopt", str(self._dir(source)), name)
+        except BaseException as exc:
+            if isinstance(exc, dead):
+                self._mark_dead(target, queue)
+                # What it wrote of the agent there must not bring a second copy back.
+                await _forget_in(self._dir(target), name)
+            try:
+                await self._raw(source, "reattach", name)
+            except dead:
+                self._mark_dead(source, queue)
+            except Exception as again:
+                log.error("agent.reattach_failed", agent=name, error=repr(again))
+            if isinstance(exc, dead):
+                raise ReplicaLostError(
+                    f"replica {target} died; agent {name!r} was not moved"
+                ) from None
+            raise
+        self._where[name] = target
+        try:
+            await self._raw(source, "forget_detached", name)
+        except dead:
+            self._mark_dead(source, queue)
+            await _forget_in(self._dir(source), name)  # one home only
 
     async def stats(self) -> ClusterStatistics:
         """Each live replica's statistics (one found dead meanwhile is left out, and its
@@ -375,13 +415,20 @@ class Cluster:
         return await self._call(await self._home(name), method, name, *args)
 
     async def _home(self, name: str) -> int:
-        """The replica agent ``name`` lives on; if that one died, where it was brought
-        back (waiting for the recovery under way)."""
+        """The replica agent ``name`` lives on; if it is being moved, or that replica
+        died, where it is after the move or the recovery."""
         self._check_open()
         index = self.replica_of(name)
-        if not self._alive[index]:
-            async with self._lock:  # a recovery is moving it
-                pass
+        if name in self._moving or not self._alive[index]:
+            with anyio.CancelScope(shield=True):
+                async with self._lock:  # the move or the recovery is done
+                    index = self.replica_of(name)
+                    if not self._alive[index]:  # placed there as it died: bring it back
+                        queue: list[int] = []
+                        await self._adopt_all(
+                            self._dir(index), {name: self._systems.get(name)}, queue
+                        )
+                        await self._evacuate(queue)
             index = self.replica_of(name)
         return index
 
@@ -432,6 +479,7 @@ class Cluster:
         """Replica ``index`` died: adopt its agents, from its state directory, on the
         others (their last saved turn; what a caller had received was saved first).
         Shielded: a caller's cancel or timeout waits for the agents to be placed."""
+        self._check_open()
         with anyio.CancelScope(shield=True):
             async with self._lock:
                 queue: list[int] = []
@@ -460,7 +508,6 @@ class Cluster:
         """Under the lock: adopt ``agents`` from the state directory ``source`` on live
         replicas, then delete them there (one home only). An agent that cannot be
         adopted is lost (logged, and no longer known)."""
-        dead = StateDir(source, persist="turn")
         for name, system in agents.items():
             target = None
             while target is None and any(self._alive):
@@ -481,7 +528,7 @@ class Cluster:
                 self._systems.pop(name, None)
                 continue
             self._where[name], self._systems[name] = target, system
-            await dead.delete(name)  # its orphan cache goes at a start
+            await _forget_in(source, name)  # one home only
             log.info("agent.recovered", agent=name, replica=target)
 
     async def _place_now(self, system: str | None, queue: list[int]) -> int:
@@ -494,6 +541,10 @@ class Cluster:
                     loads[i] = await self._raw(i, "load")
                 except self._ray.exceptions.RayActorError:
                     self._mark_dead(i, queue)
+                except Exception as exc:  # a replica that cannot say is not chosen
+                    log.error("replica.load_failed", replica=i, error=repr(exc))
+            if not loads and any(self._alive[i] for i in candidates):
+                raise ReplicaLostError("no live replica answered")
             if loads:
                 return self._least_busy(loads)
 
@@ -591,6 +642,17 @@ class RemoteTurnStream:
             raise StopAsyncIteration
         assert isinstance(item, str)
         return item
+
+
+async def _forget_in(directory: Path, name: str) -> None:
+    """Delete agent ``name``'s record and cache from a state directory no live runtime
+    uses (a dead replica's, or one left by a larger cluster); failures are logged."""
+    state = StateDir(directory, persist="turn")
+    try:
+        await state.delete(name)
+        await state.caches().drop(name)
+    except Exception as exc:
+        log.error("agent.forget_failed", agent=name, directory=str(directory), error=repr(exc))
 
 
 def _prefix(system: str | None) -> str | None:

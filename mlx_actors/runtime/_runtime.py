@@ -510,6 +510,11 @@ class Runtime:
                 self._scheduler.adopt(name, tokens)
             await state.save(record)
             agent = await self._start_saved(record, tokens, blocks)
+        except BaseException:
+            with anyio.CancelScope(shield=True):  # no half-adopted copy is left here
+                await self._scheduler.forget(name, drop=True)
+                await state.delete(name)
+            raise
         finally:
             self._claimed.discard(name)
         self.log.info("agent.adopted", agent=name, source=str(other.path))

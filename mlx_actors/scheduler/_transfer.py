@@ -2,13 +2,14 @@
 
 Everywhere but MLX's CUDA backend these are ``mx.array(bits)`` and ``np.array(a)``.
 
-On CUDA (MLX 0.32), every MLX buffer is managed memory. An array made from numpy is
-written on the host and moves to the GPU page by page when a kernel first reads it
-(about 1.3 GB/s on an H100); an array read with numpy moves to the host the same way,
-and back again when a kernel next reads it. There this module copies with the CUDA
-driver's copy engine instead: ``cuMemcpyHtoDAsync`` into buffers MLX allocated and
-filled on the device, ``cuMemcpyDtoHAsync`` out of them, on a stream of its own, which
-leaves the pages where they are. The driver is reached through ``ctypes`` (MLX exposes
+On CUDA (MLX 0.32), an array made from host memory lives in unified (managed) memory:
+written on the host, it moves to the GPU page by page when a kernel first reads it
+(about 1.3 GB/s on an H100). Arrays a kernel made live in device memory; exporting one
+(its buffer, for numpy or for a pointer) first moves it into unified memory with a
+device copy. There this module copies with the CUDA driver's copy engine instead:
+``cuMemcpyHtoDAsync`` into buffers MLX allocated and filled on the device (exported,
+so in unified memory whose pages are on the GPU), ``cuMemcpyDtoHAsync`` out of them,
+on a stream of its own. The driver is reached through ``ctypes`` (MLX exposes
 no such copy); a pointer is used only once the driver confirms it is managed memory of
 the right size. Any failure (no driver, a driver error, a buffer that is not MLX's)
 falls back to the plain copies for the whole batch, and ``MLX_ACTORS_CUDA_COPIES=0``
@@ -26,6 +27,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generation_stream
 
 #: Unsigned types of a block's bits, numpy to MLX.
 _MX_BITS = {
@@ -152,7 +154,7 @@ def to_device(host: Sequence[np.ndarray]) -> list[mx.array]:
     if driver is not None and host:
         out = [mx.zeros(h.shape, _MX_BITS[h.dtype]) for h in host]
         mx.eval(out)
-        mx.synchronize()
+        _synchronize()
         try:
             driver.enter()
             for h, a in zip(host, out, strict=True):
@@ -161,6 +163,9 @@ def to_device(host: Sequence[np.ndarray]) -> list[mx.array]:
             return out
         except _CopyFailed:
             _settle(driver)
+        except BaseException:
+            _settle(driver)  # no copy may still write into buffers MLX gets back
+            raise
     return [mx.array(h) for h in host]
 
 
@@ -168,7 +173,8 @@ def to_host(arrays: Sequence[mx.array]) -> list[np.ndarray]:
     """numpy copies of ``arrays`` (unsigned bits, evaluated)."""
     driver = _driver()
     if driver is not None and arrays:
-        mx.synchronize()
+        # Exporting a buffer moves it (and frees the old one): nothing may still read it.
+        _synchronize()
         out = [np.empty(a.shape, _NP_BITS[a.dtype]) for a in arrays]
         try:
             driver.enter()
@@ -178,7 +184,16 @@ def to_host(arrays: Sequence[mx.array]) -> list[np.ndarray]:
             return out
         except _CopyFailed:
             _settle(driver)
+        except BaseException:
+            _settle(driver)
+            raise
     return [np.array(a) for a in arrays]
+
+
+def _synchronize() -> None:
+    """Wait for MLX's work on this thread's streams: the default one and mlx-lm's."""
+    mx.synchronize()
+    mx.synchronize(generation_stream)
 
 
 def _settle(driver: _Driver) -> None:
