@@ -361,7 +361,7 @@ class Cluster:
 
     async def _move(self, name: str, source: int, target: int, queue: list[int]) -> None:
         """Under the lock: :meth:`move`'s steps; replicas found dead join ``queue``."""
-        dead = self._ray.exceptions.RayActorError
+        dead = self._dead
         try:
             await self._raw(source, "detach", name)
         except dead:
@@ -440,12 +440,18 @@ class Cluster:
             raise ReplicaLostError(f"replica {index} is gone")
         try:
             return await self._raw(index, method, *args)
-        except self._ray.exceptions.RayActorError:
+        except self._dead:
             await self._recover(index)
             raise ReplicaLostError(
                 f"replica {index} died during {method}(); its agents were brought back on "
                 "the other replicas from their last saved state: make the request again"
             ) from None
+
+    @property
+    def _dead(self) -> tuple[type[BaseException], ...]:
+        """What a call to a replica raises when the replica is gone: its process died, or
+        its runtime stopped while the process lives on."""
+        return (self._ray.exceptions.RayActorError, ReplicaLostError)
 
     async def _raw(self, index: int, method: str, *args: Any) -> Any:
         ref = getattr(self._handles[index], method).remote(*args)
@@ -468,7 +474,7 @@ class Cluster:
             )
         except self._ray.exceptions.RayTaskError as exc:
             raise _cause(exc) from None
-        except self._ray.exceptions.RayActorError:
+        except self._dead:
             await self._recover(index)
             raise ReplicaLostError(
                 f"replica {index} died during a stream; its agents were brought back on "
@@ -514,7 +520,7 @@ class Cluster:
                 try:
                     target = await self._place_now(system, queue)
                     await self._raw(target, "adopt", str(source), name)
-                except self._ray.exceptions.RayActorError:
+                except self._dead:
                     if target is not None:
                         self._mark_dead(target, queue)
                     target = None
@@ -539,7 +545,7 @@ class Cluster:
             for i in candidates:
                 try:
                     loads[i] = await self._raw(i, "load")
-                except self._ray.exceptions.RayActorError:
+                except self._dead:
                     self._mark_dead(i, queue)
                 except Exception as exc:  # a replica that cannot say is not chosen
                     log.error("replica.load_failed", replica=i, error=repr(exc))

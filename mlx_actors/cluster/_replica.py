@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..actors import Reply
+from ..errors import ReplicaLostError
 from ..runtime import Runtime, RuntimeStatistics
 
 
@@ -61,7 +62,10 @@ class Replica:
 
     def _runtime(self) -> Runtime:
         if self._rt is None:
-            raise RuntimeError(f"replica {self.index} is not running") from self._error
+            # The cluster takes this as the replica's death and brings its agents back.
+            raise ReplicaLostError(
+                f"replica {self.index}'s runtime is not running"
+            ) from self._error
         return self._rt
 
     # -- the agent API, by name -------------------------------------------------------------
