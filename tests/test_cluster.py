@@ -233,6 +233,7 @@ async def test_a_call_during_a_move_waits_for_it(tiny_dir: Path) -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(cl.move, "ann", target)
+            await anyio.wait_all_tasks_blocked()  # the move has begun
             tg.start_soon(ask)
         assert ann.replica == target
         assert replies[0].usage.cached_tokens > 0
