@@ -329,10 +329,12 @@ class Cluster:
         return alive
 
     def _least_busy(self, loads: Mapping[int, tuple[int, int, int]]) -> int:
-        """Fewest turns in flight, then fewest blocks resident, then fewest agents,
-        counting agents being placed there."""
-        coming = collections.Counter(i for i, _ in self._placing.values())
-        busy = {i: (load[1] + coming[i], load[0], load[2] + coming[i]) for i, load in loads.items()}
+        """Fewest turns in flight, then fewest blocks resident, then fewest agents (as
+        the cluster counts them, with those being placed there: concurrent spawns see
+        each other even when a replica's own figures are a moment old)."""
+        agents = collections.Counter(self._where.values())
+        agents.update(i for i, _ in self._placing.values())
+        busy = {i: (load[1], load[0], agents[i]) for i, load in loads.items()}
         return min(busy, key=busy.__getitem__)
 
     async def move(self, name: str, replica: int) -> None:
