@@ -240,7 +240,10 @@ async def test_a_call_during_a_move_waits_for_it(tiny_dir: Path) -> None:
         assert len(await ann.history()) == 5
 
 
-async def test_a_replica_whose_runtime_stopped_is_replaced(tiny_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("call", ["ask", "stream"])
+async def test_a_replica_whose_runtime_stopped_is_replaced(
+    tiny_dir: Path, tmp_path: Path, call: str
+) -> None:
     async with Cluster(tiny_dir, state_dir=tmp_path, **OPTIONS) as cl:
         ann = await cl.spawn("ann", system="You are Ann.", max_tokens=8)
         await ann.ask("Hello")
@@ -248,7 +251,12 @@ async def test_a_replica_whose_runtime_stopped_is_replaced(tiny_dir: Path, tmp_p
         victim = ann.replica
         await cl._raw(victim, "stop")  # its runtime ends; the process lives on
         with pytest.raises(ReplicaLostError, match="brought back"):
-            await ann.ask("Hi")
+            if call == "ask":
+                await ann.ask("Hi")
+            else:
+                async with ann.stream("Hi") as pieces:
+                    async for _ in pieces:
+                        pass
         assert ann.replica != victim
         assert await ann.history() == before
         assert (await ann.ask("Again")).usage.cached_tokens > 0

@@ -443,11 +443,15 @@ class Cluster:
         try:
             return await self._raw(index, method, *args)
         except self._dead:
-            await self._recover(index)
-            raise ReplicaLostError(
-                f"replica {index} died during {method}(); its agents were brought back on "
-                "the other replicas from their last saved state: make the request again"
-            ) from None
+            raise await self._lost(index, f"{method}()") from None
+
+    async def _lost(self, index: int, during: str) -> ReplicaLostError:
+        """Replica ``index`` was found gone during a call: recover it; the error to raise."""
+        await self._recover(index)
+        return ReplicaLostError(
+            f"replica {index} died during {during}; its agents were brought back on the "
+            "other replicas from their last saved state: make the request again"
+        )
 
     @property
     def _dead(self) -> tuple[type[BaseException], ...]:
@@ -471,17 +475,14 @@ class Cluster:
         """``fetch()`` on a worker thread (it waits on Ray), with :meth:`_call`'s
         handling of a replica that died and of errors raised there."""
         try:
-            return await anyio.to_thread.run_sync(
-                fetch, abandon_on_cancel=True, limiter=self._limiter
-            )
-        except self._ray.exceptions.RayTaskError as exc:
-            raise _cause(exc) from None
+            try:
+                return await anyio.to_thread.run_sync(
+                    fetch, abandon_on_cancel=True, limiter=self._limiter
+                )
+            except self._ray.exceptions.RayTaskError as exc:
+                raise _cause(exc) from None  # a replica whose runtime stopped: below
         except self._dead:
-            await self._recover(index)
-            raise ReplicaLostError(
-                f"replica {index} died during a stream; its agents were brought back on "
-                "the other replicas from their last saved state: make the request again"
-            ) from None
+            raise await self._lost(index, "a stream") from None
 
     async def _recover(self, index: int) -> None:
         """Replica ``index`` died: adopt its agents, from its state directory, on the
@@ -552,7 +553,8 @@ class Cluster:
                 except Exception as exc:  # a replica that cannot say is not chosen
                     log.error("replica.load_failed", replica=i, error=repr(exc))
             if not loads and any(self._alive[i] for i in candidates):
-                raise ReplicaLostError("no live replica answered")
+                # Not a ReplicaLostError: the replicas live, the agent cannot be placed.
+                raise RuntimeError("no live replica answered")
             if loads:
                 return self._least_busy(loads)
 
