@@ -46,6 +46,21 @@ SHAPES: dict[str, dict[str, Any]] = {
     ),
     # The tests' tiny Gemma 3 (5 sliding-window layers of 64 tokens to 1 global).
     "tiny-gemma3": family_configs(64)["gemma3_text"],
+    # A small Gemma 3 for CPU runs: 10 sliding-window layers (512 tokens) and 2 global
+    # ones, heads of 128 (quantizable in groups of 64).
+    "small-gemma3": tiny_config(
+        "gemma3_text",
+        hidden_size=256,
+        num_hidden_layers=12,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        sliding_window=512,
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=128,
+        max_position_embeddings=32768,
+    ),
     # Gemma-3-1B: 5 sliding-window layers (512 tokens) to 1 global, one KV head of 256.
     "gemma-3-1b": tiny_config(
         "gemma3_text",

@@ -6,8 +6,8 @@ model's own dtype, 8 bits and 4 bits. Prints JSON.
 
 Residents: agents with a ``--history``-token conversation are spawned and asked one at a
 time into a pool of ``--pool-gb`` until the first eviction; the count before it is the
-measure (and the pool's arithmetic, blocks per agent, is printed beside it). Throughput:
-``--batch`` agents, each with a ``--decode-history``-token conversation, asked at once
+measure (and the pool's arithmetic, blocks and bytes per agent, is printed beside it).
+Throughput: ``--batch`` agents, each with a ``--decode-history``-token conversation, asked at once
 for ``--new-tokens`` tokens; tokens per second of the whole batch, as the median of
 ``--repeats`` runs that alternate the settings. Replies are compared with the
 unquantized ones (the agreement is a figure, not an assertion: quantizing changes
@@ -62,8 +62,7 @@ async def residents(path: Path, bits: int | None, args: argparse.Namespace) -> d
         stats = await rt.stats()
         return {
             "resident_agents": count,
-            "block_bytes": stats.pool.block_bytes,
-            "pool_blocks": stats.pool.total_blocks,
+            "pool_bytes": stats.pool.total_blocks * stats.pool.block_bytes,
         }
 
 
@@ -110,6 +109,7 @@ def main() -> None:
         name = f"{bits}-bit" if bits else "unquantized"
         results["settings"][name] = {
             "blocks_per_agent": spec.blocks_held(args.history),
+            "bytes_per_agent": spec.units_held(args.history) * spec.unit_bytes,
             "block_bytes": spec.block_bytes,
             **anyio.run(residents, path, bits, args),
         }
@@ -132,10 +132,12 @@ def main() -> None:
                 "replies_equal_to_unquantized": f"{same}/{batch}",
             }
     base_residents = results["settings"]["unquantized"]["resident_agents"]
+    base_bytes = results["settings"]["unquantized"]["bytes_per_agent"]
     for setting in results["settings"].values():
         setting["residents_vs_unquantized"] = round(
             setting["resident_agents"] / max(1, base_residents), 2
         )
+        setting["arithmetic_vs_unquantized"] = round(base_bytes / setting["bytes_per_agent"], 2)
     print(json.dumps(results, indent=2))
 
 

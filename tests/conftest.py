@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +91,15 @@ class ReferenceChat:
     """A conversation fed to mlx-lm through one persistent prompt cache: each turn feeds
     only the tokens the cache lacks, trimming it when the rendering diverges."""
 
-    def __init__(self, model: Any, stop: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        model: Any,
+        stop: Iterable[int] = (),
+        make_cache: Callable[[], list[Any]] | None = None,
+    ) -> None:
         self.model = model
-        self.cache = make_prompt_cache(model)
+        self.make_cache = make_cache or (lambda: make_prompt_cache(model))
+        self.cache = self.make_cache()
         self.tokens: list[int] = []
         self.stop = set(stop)
 
@@ -109,7 +115,7 @@ class ReferenceChat:
                 for c in self.cache:
                     c.trim(len(self.tokens) - common)
             else:  # a sliding window that has moved on cannot rewind: start over
-                self.cache = make_prompt_cache(self.model)
+                self.cache = self.make_cache()
                 common = 0
         out = reference(self.model, full_prompt[common:], max_tokens, self.cache, self.stop)
         self.tokens = [*full_prompt, *out]

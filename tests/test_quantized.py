@@ -10,19 +10,24 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_actors import Runtime, gather
-from mlx_actors.errors import InvalidRequestError, ModelMismatchError, UnsupportedModelError
+from mlx_actors.errors import (
+    InvalidRequestError,
+    ModelMismatchError,
+    PoolExhaustedError,
+)
 from mlx_actors.scheduler import (
     BatchQuantizedKVCache,
+    BlockPool,
     BlockQuantizedKVCache,
     KVQuantization,
     ModelCacheSpec,
 )
 from mlx_actors.testing import family_configs, tiny_config, write_random_model
 
-from .conftest import INIT_SCALE, Loaded, load, reference, render
+from .conftest import INIT_SCALE, Loaded, ReferenceChat, load, reference, render
 
 EOS = [258]
 
@@ -140,9 +145,94 @@ def test_block_bytes_and_settings(wide: Loaded) -> None:
         ModelCacheSpec.from_model(wide.model, quantization=KVQuantization(8, 64))
 
 
+GEMMA_WINDOW = 40
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
+    """Gemma 3's layer pattern (five sliding-window layers of 40 tokens to one global)
+    with heads of 32."""
+    config = {**family_configs(GEMMA_WINDOW)["gemma3_text"], "head_dim": 32}
+    path = tmp_path_factory.mktemp("models") / "gemma"
+    return load(write_random_model(path, config, seed=11, init_scale=1.0))
+
+
+def mixed_cache(model: Any, bits: int) -> list[Any]:
+    """mlx-lm's prompt cache for Gemma 3 with its global layers quantized: the
+    ``QuantizedKVCache`` there, its own ``RotatingKVCache`` in the sliding layers
+    (mlx-lm's ``kv_bits`` stops at them: ``RotatingKVCache.to_quantized`` raises)."""
+    return [
+        QuantizedKVCache(group_size=32, bits=bits) if type(c) is KVCache else c
+        for c in make_prompt_cache(model)
+    ]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.anyio
-async def test_sliding_window_models_are_refused_clearly(tmp_path: Path) -> None:
-    path = write_random_model(tmp_path / "gemma", family_configs()["gemma3_text"], seed=1)
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        async with Runtime(path, log_level="off", kv_bits=8, kv_group_size=32):
+async def test_gemma_with_quantized_global_layers_equals_mlx_lm(
+    gemma: Loaded, bits: int, tmp_path: Path
+) -> None:
+    """Alone, batched, past the window, evicted under a small pool and after a restart,
+    each agent's replies equal mlx-lm's through one persistent mixed prompt cache."""
+    eos = gemma.tokenizer.eos_token_ids
+    turns = ["Hello there, how are you today?", "Tell me about the sea.", "And the hills?"]
+    options: dict[str, Any] = dict(
+        pool_blocks=40, log_level="off", kv_bits=bits, kv_group_size=32, state_dir=tmp_path
+    )
+    chats: dict[str, ReferenceChat] = {}
+
+    async def converse(agent: Any, texts: list[str]) -> None:
+        chat = chats.setdefault(
+            agent.name, ReferenceChat(gemma.model, eos, lambda: mixed_cache(gemma.model, bits))
+        )
+        for text in texts:
+            reply = await agent.ask(text)
+            prompt = render(gemma.tokenizer, list(agent.history)[:-1])
+            assert list(reply.tokens) == chat.turn(prompt, 24), (agent.name, text)
+
+    async with Runtime(gemma.path, **options) as rt:
+        spec = ModelCacheSpec.from_model(gemma.model, quantization=KVQuantization(bits, 32))
+        assert [layer.quantization is not None for layer in spec.layers] == [False] * 5 + [True]
+        agents = [
+            await rt.spawn(f"a{i}", system=f"You are agent number {i}.", max_tokens=24)
+            for i in range(4)
+        ]
+        await converse(agents[0], turns)  # alone
+        await gather(*(converse(a, turns) for a in agents[1:]))  # batched
+        stats = await rt.stats()
+        assert stats.max_batch_size >= 2 and stats.evictions > 0 and stats.restores > 0
+        assert stats.pool.block_bytes == spec.unit_bytes
+        assert stats.pool.total_blocks == 40 * spec.max_units
+        assert all(len(chat.tokens) > 2 * GEMMA_WINDOW for chat in chats.values())
+    async with Runtime(gemma.path, **options) as rt:
+        await converse(rt.agent("a1"), ["After the restart?"])
+        assert (await rt.agent("a1").ask("Once more.")).usage.cached_tokens > 0
+    with pytest.raises(ModelMismatchError, match=f"quantized as {bits}-bit"):
+        async with Runtime(gemma.path, **{**options, "kv_bits": 12 - bits}):
             pass
+
+
+def test_the_pool_counts_each_layers_blocks_at_their_size(gemma: Loaded) -> None:
+    """Quantized global blocks beside unquantized sliding ones: the pool counts units of
+    the layers' common divisor, so that the quantized blocks take their real share."""
+    plain = ModelCacheSpec.from_model(gemma.model)
+    four = ModelCacheSpec.from_model(gemma.model, quantization=KVQuantization(4, 32))
+    assert plain.unit_bytes == plain.block_bytes and plain.max_units == 1
+    sliding, global_ = four.layers[0].block_bytes, four.layers[5].block_bytes
+    # f32 heads of 32: 128 bytes; at 4 bits 16 bytes, with a scale and a bias of 4.
+    assert sliding / global_ == 128 / 24 and four.block_bytes == sliding
+    assert four.units(0) * four.unit_bytes == sliding and four.units(5) * four.unit_bytes == global_
+    # 1,000 tokens: four global blocks; the 40-token window lies in one block.
+    assert four.units_held(1000) == 4 * four.units(5) + 5 * four.units(0)
+    pool = BlockPool.from_bytes(four, 10 * sliding)
+    assert pool.total_blocks == 10 * four.max_units
+    keys = mx.zeros((1, 2, 256, four.layers[5].stored_key_dim), dtype=mx.uint16)
+    reservation = pool.reserve(four.units(5) * 3)
+    made = [reservation.allocate(5, 256 * i, keys, keys) for i in range(3)]
+    with pytest.raises(PoolExhaustedError, match="bug"):
+        reservation.allocate(5, 768, keys, keys)
+    assert pool.used_blocks * pool.spec.unit_bytes == 3 * global_
+    pool.free(made)
+    assert pool.free_blocks == pool.total_blocks
+    with pytest.raises(InvalidRequestError, match="holds no block"):
+        BlockPool.from_bytes(four, sliding - 1)

@@ -107,7 +107,8 @@ class Runtime:
             Hugging Face model id.
         max_batch_size: most turns decoded together; more wait for a free slot.
         pool_bytes: the cache block budget in bytes (default: a quarter of RAM).
-        pool_blocks: the budget in blocks instead (one block is 256 tokens of one layer).
+        pool_blocks: the budget in blocks instead (one block is 256 tokens of one layer;
+            of the layer with the largest blocks, when they differ).
         host_bytes: bytes of host memory for caches evicted from the pool, kept in
             front of the disk so that bringing one back reads no file (default: half
             the pool's budget; 0: none, every restore reads the disk).
@@ -139,8 +140,9 @@ class Runtime:
             default) or only when leaving the runtime (``"exit"``).
         kv_bits: quantize the KV cache to 8 or 4 bits (``None``: keep the model's
             dtype): two to four times the agents in the same pool, decoded in the
-            same batch, as mlx-lm's quantized cache computes them. Models whose layers
-            are all global attention (Llama, Qwen...); not yet sliding-window ones.
+            same batch, as mlx-lm's quantized cache computes them. On sliding-window
+            models (Gemma 3) only the global layers are quantized: mlx-lm has no
+            quantized rotating cache, so the sliding layers keep the model's dtype.
         kv_group_size: values per scale and bias along a head (32, 64 or 128).
 
     When a turn needs more blocks than are free, the least recently used idle agents'
@@ -751,7 +753,7 @@ class Runtime:
             resident_agents=s.resident_agents,
             resident_blocks=s.resident_blocks,
             shared_blocks=s.shared_blocks,
-            shared_bytes=(s.agent_blocks - s.resident_blocks) * s.pool.block_bytes,
+            shared_bytes=s.shared_bytes,
             shared_tokens=s.engine.shared_tokens,
             agents_on_disk=s.agents_on_disk,
             evictions=s.evictions,

@@ -42,7 +42,7 @@ from ._protocol import (
 )
 from ._quantized import KVQuantization
 from ._records import CompletedGeneration
-from ._spec import ModelCacheSpec
+from ._spec import LayerKind, ModelCacheSpec
 
 Loader = Callable[[], tuple[Any, Any]]
 
@@ -510,11 +510,11 @@ class Scheduler:
         model, tokenizer = self._load()
         spec = ModelCacheSpec.from_model(model, quantization=self._kv_quantization)
         if self._pool_blocks is not None:
-            pool = BlockPool(spec, total_blocks=self._pool_blocks)
+            pool = BlockPool(spec, total_blocks=self._pool_blocks * spec.max_units)
         else:
             pool = BlockPool.from_bytes(spec, self._pool_bytes or 1 << 30)
         host = self._host_bytes
-        self._host.budget = pool.total_blocks * spec.block_bytes // 2 if host is None else host
+        self._host.budget = pool.budget_bytes // 2 if host is None else host
         engine = BlockPoolBatchEngine(
             model,
             tokenizer,
@@ -572,7 +572,7 @@ class Scheduler:
             self._log.info("scheduler.stopped", pool_used=self._final.pool.used_blocks)
 
 
-def _max_text_chars(tokenizer: Any, spec: ModelCacheSpec, pool_blocks: int) -> int | None:
+def _max_text_chars(tokenizer: Any, spec: ModelCacheSpec, pool_units: int) -> int | None:
     """More characters than the most tokens one turn can hold, each as long as the
     vocabulary's longest token, can never fit (``None``: the vocabulary is unknown)."""
     try:
@@ -580,7 +580,10 @@ def _max_text_chars(tokenizer: Any, spec: ModelCacheSpec, pool_blocks: int) -> i
     except Exception:
         return None
     global_layers = spec.num_layers - spec.sliding_layers
-    tokens = pool_blocks // max(global_layers, 1) * spec.block_size
+    per_block = sum(
+        spec.units(i) for i, layer in enumerate(spec.layers) if layer.kind is LayerKind.GLOBAL
+    )
+    tokens = pool_units // max(per_block, 1) * spec.block_size
     if spec.context_length is not None and global_layers:
         tokens = min(tokens, spec.context_length)
     elif spec.context_length is not None:

@@ -179,36 +179,39 @@ def to_cache(
 
 
 def blocks_needed(spec: ModelCacheSpec, final_tokens: int, shared_tokens: int) -> int:
-    """New blocks a turn may need: the final history's blocks, less the full blocks of
-    global layers it takes unchanged from blocks that already exist."""
+    """Pool units of the new blocks a turn may need: the final history's blocks, less
+    the full blocks of global layers it takes unchanged from blocks that already exist."""
     shared = shared_tokens // BLOCK_SIZE
     total = 0
-    for layer in spec.layers:
+    for i, layer in enumerate(spec.layers):
         n = max_blocks_for_layer(layer, final_tokens)
-        total += n - shared if layer.kind is LayerKind.GLOBAL else n
+        total += (n - shared if layer.kind is LayerKind.GLOBAL else n) * spec.units(i)
     return total
 
 
 def checkpoint_copies(spec: ModelCacheSpec, layers: Sequence[Sequence[Piece]]) -> int:
-    """Blocks cutting a cache copies to keep the sliding layers' checkpoint (the pieces
-    ``layers`` a sequence started from): one per piece that ends inside its block."""
+    """Pool units of the blocks cutting a cache copies to keep the sliding layers'
+    checkpoint (the pieces ``layers`` a sequence started from): one block per piece that
+    ends inside its block."""
     return sum(
-        z < block.end
-        for layer, layer_pieces in zip(spec.layers, layers, strict=False)
+        spec.units(i)
+        for i, (layer, layer_pieces) in enumerate(zip(spec.layers, layers, strict=False))
         if layer.kind is LayerKind.SLIDING
         for block, _, z in layer_pieces
+        if z < block.end
     )
 
 
 def checkpoint_blocks(spec: ModelCacheSpec, at: int) -> int:
-    """Blocks a prefix of ``at`` tokens needs beyond its whole chunks of global layers:
-    the last partial chunk of each global layer and every block of the sliding ones."""
+    """Pool units of the blocks a prefix of ``at`` tokens needs beyond its whole chunks
+    of global layers: the last partial chunk of each global layer and every block of
+    the sliding ones."""
     total = 0
-    for layer in spec.layers:
+    for i, layer in enumerate(spec.layers):
         if layer.kind is LayerKind.GLOBAL:
-            total += 1 if at % BLOCK_SIZE else 0
+            total += spec.units(i) if at % BLOCK_SIZE else 0
         else:
-            total += max_blocks_for_layer(layer, at)
+            total += max_blocks_for_layer(layer, at) * spec.units(i)
     return total
 
 
@@ -234,8 +237,8 @@ class Cut:
 
     @property
     def new_blocks(self) -> int:
-        """Blocks :meth:`apply` makes (draws from its reservation)."""
-        return sum(len(layer) for layer in self.copies)
+        """Pool units of the blocks :meth:`apply` makes (draws from its reservation)."""
+        return sum(len(layer) * self.pool.spec.units(i) for i, layer in enumerate(self.copies))
 
     def apply(self, reservation: Reservation) -> AgentBlocks:
         """Make the new blocks from ``reservation``; the ``AgentBlocks`` holds them and

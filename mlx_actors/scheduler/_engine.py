@@ -223,7 +223,7 @@ class BlockPoolBatchEngine:
         self._prefilled: list[str] = []
         #: Caches of sequences that finished alone, for their agents' next turns: at
         #: most an eighth of the pool's bytes, outside it.
-        self._hot = HotCaches(pool.total_blocks * self.spec.block_bytes // 8)
+        self._hot = HotCaches(pool.budget_bytes // 8)
         self._refused: list[tuple[int, MlxActorsError]] = []
         self._steps = self._prefill_tokens = self._generated_tokens = 0
         self._cached_tokens = self._completed = self._max_decode_batch = 0
@@ -308,8 +308,9 @@ class BlockPoolBatchEngine:
         budget = min(max_tokens, limit - total) if limit is not None else max_tokens
         need = blocks_needed(self.spec, total + budget, kept)
         if need > self.pool.total_blocks:
+            what = "blocks" if self.spec.max_units == 1 else "pool units"
             raise InvalidRequestError(
-                f"the turn may need {need} blocks ({total} prompt tokens + {budget} new), "
+                f"the turn may need {need} {what} ({total} prompt tokens + {budget} new), "
                 f"more than the whole pool of {self.pool.total_blocks}; lower max_tokens, "
                 "shorten the conversation or give the runtime a larger pool"
             )

@@ -20,7 +20,7 @@ from ..errors import (
 )
 from ._constraint import Constraint, grammar_tokenizer
 from ._engine import BlockPoolBatchEngine
-from ._image import CacheImage, make_blocks, stored_ids, take_image
+from ._image import CacheImage, cache_dtype, make_blocks, stored_ids, take_image
 from ._pool import AgentBlocks
 from ._protocol import (
     SHUTDOWN,
@@ -105,7 +105,7 @@ class EngineLoop:
         self._persistent = persistent_store
         #: Evicted caches carry every block (for host memory), not only unstored ones.
         self._whole_evictions = whole_evictions
-        self._dtype = engine.spec.layers[0].stored_dtype
+        self._dtype = cache_dtype(engine.spec)
         self.agents: dict[str, _Entry] = {}
         self.turns: dict[int, Turn] = {}
         #: Turns waiting for room in the pool, oldest first (with the cache read back
@@ -587,12 +587,14 @@ class EngineLoop:
 
     def snapshot(self) -> SchedulerStatistics:
         holders: dict[int, int] = {}
+        sizes: dict[int, int] = {}
         resident = 0
         for entry in self.agents.values():
             if entry.blocks is not None:
                 resident += 1
                 for b in entry.blocks.blocks():
                     holders[b.id] = holders.get(b.id, 0) + 1
+                    sizes[b.id] = self.pool.spec.layers[b.layer].block_bytes
         held = sum(holders.values())
         return SchedulerStatistics(
             pool=self.pool.statistics(),
@@ -601,6 +603,7 @@ class EngineLoop:
             resident_agents=resident,
             resident_blocks=len(holders),
             agent_blocks=held,
+            shared_bytes=sum((n - 1) * sizes[i] for i, n in holders.items()),
             shared_blocks=sum(1 for n in holders.values() if n > 1),
             agents_on_disk=sum(1 for e in self.agents.values() if e.blocks is None and e.tokens),
             evictions=self.evictions,

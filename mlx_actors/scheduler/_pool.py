@@ -1,4 +1,10 @@
-"""The block pool: a fixed budget of 256-token cache blocks, shared by reference count."""
+"""The block pool: a fixed budget of 256-token cache blocks, shared by reference count.
+
+The pool counts in *units* (:attr:`ModelCacheSpec.unit_bytes`): a block costs its
+layer's :meth:`~ModelCacheSpec.units`. In most models every layer's block is the same
+size and a unit is a block; with ``kv_bits`` on a sliding-window model the global
+layers' quantized blocks cost fewer units than the sliding layers' unquantized ones.
+"""
 
 from __future__ import annotations
 
@@ -87,21 +93,24 @@ class AgentBlocks:
 
 @attrs.frozen(kw_only=True)
 class PoolStatistics:
-    """A snapshot of a :class:`BlockPool`."""
+    """A snapshot of a :class:`BlockPool`, counted in pool units of ``block_bytes``
+    bytes: blocks, for every model whose layers' blocks are all the same size (see
+    the module's docstring for the one case where they are not)."""
 
-    #: Blocks the pool may hold in all.
+    #: Units the pool may hold in all.
     total_blocks: int
-    #: Distinct blocks held now (a block shared by several agents counts once).
+    #: Units of the distinct blocks held now (a block shared by several agents counts
+    #: once).
     used_blocks: int
-    #: Blocks promised to turns in flight, not yet filled.
+    #: Units promised to turns in flight, not yet filled.
     reserved_blocks: int
-    #: Blocks neither used nor reserved.
+    #: Units neither used nor reserved.
     free_blocks: int
-    #: The most blocks ever used plus reserved at once.
+    #: The most units ever used plus reserved at once.
     peak_blocks: int
-    #: Blocks referenced more than once.
+    #: Units of the blocks referenced more than once.
     shared_blocks: int
-    #: Bytes one block costs.
+    #: Bytes one unit costs (one block's, when a unit is a block).
     block_bytes: int
 
     @property
@@ -110,7 +119,8 @@ class PoolStatistics:
 
 
 class BlockPool:
-    """A fixed budget of cache blocks for one model.
+    """A fixed budget of cache blocks for one model, ``total_blocks`` pool units (blocks,
+    when the model's blocks are all alike).
 
     Blocks are counted, not preallocated: each :class:`KVBlock` owns its arrays, and
     the pool decides whether a block may exist. Reference counts let several
@@ -128,6 +138,7 @@ class BlockPool:
         self.total_blocks = total_blocks
         self._refs: dict[int, int] = {}
         self._live: dict[int, KVBlock] = {}
+        self._used = 0
         self._reserved = 0
         self._peak = 0
         self._ids = itertools.count()
@@ -136,8 +147,8 @@ class BlockPool:
     @classmethod
     def from_bytes(cls, spec: ModelCacheSpec, budget_bytes: int) -> BlockPool:
         """A pool holding as many blocks as fit in ``budget_bytes``."""
-        total = int(budget_bytes) // spec.block_bytes
-        if total <= 0:
+        total = int(budget_bytes) // spec.unit_bytes
+        if total < spec.max_units:
             raise InvalidRequestError(
                 f"a pool of {budget_bytes} bytes holds no block: one block of this model "
                 f"costs {spec.block_bytes} bytes"
@@ -146,21 +157,27 @@ class BlockPool:
 
     @property
     def used_blocks(self) -> int:
-        return len(self._refs)
+        """Units of the live blocks."""
+        return self._used
 
     @property
     def free_blocks(self) -> int:
-        return self.total_blocks - len(self._refs) - self._reserved
+        return self.total_blocks - self._used - self._reserved
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.total_blocks * self.spec.unit_bytes
 
     def statistics(self) -> PoolStatistics:
+        units = self.spec.units
         return PoolStatistics(
             total_blocks=self.total_blocks,
-            used_blocks=self.used_blocks,
+            used_blocks=self._used,
             reserved_blocks=self._reserved,
             free_blocks=self.free_blocks,
             peak_blocks=self._peak,
-            shared_blocks=sum(1 for n in self._refs.values() if n > 1),
-            block_bytes=self.spec.block_bytes,
+            shared_blocks=sum(units(self._live[i].layer) for i, n in self._refs.items() if n > 1),
+            block_bytes=self.spec.unit_bytes,
         )
 
     def on_release(self, callback: Callable[[KVBlock], None]) -> None:
@@ -169,17 +186,18 @@ class BlockPool:
         self._on_release.append(callback)
 
     def reserve(self, n: int) -> Reservation:
-        """Set ``n`` blocks aside for one turn.
+        """Set ``n`` units aside for one turn.
 
         Raises:
-            PoolExhaustedError: if fewer than ``n`` blocks are free.
+            PoolExhaustedError: if fewer than ``n`` units are free.
         """
         if n < 0:
             raise InvalidRequestError(f"cannot reserve {n} blocks")
         free = self.free_blocks
         if n > free:
+            what = "blocks" if self.spec.max_units == 1 else f"units of {self.spec.unit_bytes} B"
             raise PoolExhaustedError(
-                f"the block pool needs {n} free blocks but has {free} "
+                f"the block pool needs {n} free {what} but has {free} "
                 f"({self.used_blocks} used, {self._reserved} reserved, of "
                 f"{self.total_blocks}); free agents' caches, close agents, or give the "
                 "runtime a larger pool",
@@ -211,6 +229,7 @@ class BlockPool:
             else:
                 del self._refs[block.id]
                 del self._live[block.id]
+                self._used -= self.spec.units(block.layer)
                 for callback in self._on_release:
                     callback(block)
                 block.keys = block.values = None
@@ -230,40 +249,43 @@ class BlockPool:
             raise InvalidRequestError(f"{block!r} is not a live block of this pool")
 
     def _note_peak(self) -> None:
-        self._peak = max(self._peak, len(self._refs) + self._reserved)
+        self._peak = max(self._peak, self._used + self._reserved)
 
     def _take_reserved(self, layer: int, start: int, keys: mx.array, values: mx.array) -> KVBlock:
         block = KVBlock(next(self._ids), layer, start, keys, values)
-        self._reserved -= 1
+        units = self.spec.units(layer)
+        self._reserved -= units
+        self._used += units
         self._refs[block.id] = 1
         self._live[block.id] = block
         return block
 
 
 class Reservation:
-    """Blocks set aside for one turn; :meth:`release` returns what was not used."""
+    """Units set aside for one turn; :meth:`release` returns what was not used."""
 
     def __init__(self, pool: BlockPool, count: int) -> None:
         self._pool = pool
         self.remaining = count
 
     def allocate(self, layer: int, start: int, keys: mx.array, values: mx.array) -> KVBlock:
-        if self.remaining <= 0:
+        units = self._pool.spec.units(layer)
+        if self.remaining < units:
             raise PoolExhaustedError(
                 "a turn needed more blocks than it reserved; this is a bug in mlx-actors",
-                needed=1,
-                free=0,
+                needed=units,
+                free=self.remaining,
             )
-        self.remaining -= 1
+        self.remaining -= units
         return self._pool._take_reserved(layer, start, keys, values)
 
     def grow(self, n: int) -> None:
-        """Set ``n`` more blocks aside (raises :class:`PoolExhaustedError`)."""
+        """Set ``n`` more units aside (raises :class:`PoolExhaustedError`)."""
         self._pool.reserve(n)  # checks and counts them
         self.remaining += n
 
     def give(self, n: int, other: Reservation) -> None:
-        """Hand ``n`` of these blocks to ``other`` (the pool's count is unchanged)."""
+        """Hand ``n`` of these units to ``other`` (the pool's count is unchanged)."""
         n = min(n, self.remaining)
         self.remaining -= n
         other.remaining += n

@@ -61,6 +61,8 @@ class SchedulerStatistics:
     resident_blocks: int
     #: Blocks those agents hold, counted once per agent holding them.
     agent_blocks: int
+    #: Bytes of the blocks counted more than once in ``agent_blocks``, beyond the first.
+    shared_bytes: int
     #: Distinct blocks held by more than one agent.
     shared_blocks: int
     #: Agents whose cache was moved to disk.

@@ -87,6 +87,15 @@ class ModelCacheSpec:
     context_length: int | None = None
     #: Tokens per block.
     block_size: int = BLOCK_SIZE
+    #: Pool units per layer's block (see :attr:`unit_bytes`).
+    _units: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
+    _unit_bytes: int = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        sizes = [layer.block_bytes for layer in self.layers]
+        unit = math.gcd(*sizes) if sizes else 1
+        object.__setattr__(self, "_unit_bytes", unit)
+        object.__setattr__(self, "_units", tuple(size // unit for size in sizes))
 
     @property
     def num_layers(self) -> int:
@@ -94,8 +103,26 @@ class ModelCacheSpec:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block costs in the pool: the largest block of any layer."""
+        """Bytes of the largest block of any layer (``pool_blocks`` counts these)."""
         return max(layer.block_bytes for layer in self.layers)
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one unit of the pool: the greatest common divisor of the layers'
+        block sizes. A block costs :meth:`units` of them, so that a pool counts what
+        each block really takes when the layers' blocks differ (the global layers'
+        quantized blocks beside the sliding layers' unquantized ones); when they are
+        all alike, as in most models, a unit is a block."""
+        return self._unit_bytes
+
+    def units(self, layer: int) -> int:
+        """Pool units one block of layer ``layer`` costs."""
+        return self._units[layer]
+
+    @property
+    def max_units(self) -> int:
+        """Pool units of the largest block."""
+        return max(self._units, default=1)
 
     @property
     def sliding_layers(self) -> int:
@@ -106,10 +133,18 @@ class ModelCacheSpec:
         windows, not the margins: see :func:`max_blocks_for_layer`)."""
         return sum(blocks_for_layer(layer, tokens) for layer in self.layers)
 
+    def units_held(self, tokens: int) -> int:
+        """Pool units those blocks cost."""
+        return sum(
+            blocks_for_layer(layer, tokens) * units
+            for layer, units in zip(self.layers, self._units, strict=True)
+        )
+
     @property
     def quantization(self) -> KVQuantization | None:
-        """How the cache is quantized (every layer alike), if it is."""
-        return self.layers[0].quantization if self.layers else None
+        """How the cache is quantized (its global layers; sliding-window layers stay
+        unquantized), if it is."""
+        return next((layer.quantization for layer in self.layers if layer.quantization), None)
 
     @classmethod
     def from_model(
@@ -118,11 +153,15 @@ class ModelCacheSpec:
         """Read the cache spec of ``model`` by running one token through a fresh cache;
         with ``quantization``, its blocks hold quantized keys and values.
 
+        Only global layers are quantized: mlx-lm has no quantized form of the
+        ``RotatingKVCache`` of sliding-window layers (Gemma 3), so those stay in the
+        model's dtype, as a prompt cache mixing mlx-lm's ``QuantizedKVCache`` and
+        ``RotatingKVCache`` would keep them.
+
         Raises:
             UnsupportedModelError: if a layer's cache is neither mlx-lm's ``KVCache``
                 nor a plain ``RotatingKVCache`` (recurrent ``ArraysCache`` layers of
-                hybrid models, chunked or quantized caches...), or if a quantized cache
-                is asked of sliding-window layers (not supported yet).
+                hybrid models, chunked or quantized caches...).
             InvalidRequestError: the heads cannot be quantized in those groups.
         """
         cache = make_prompt_cache(model)
@@ -134,14 +173,7 @@ class ModelCacheSpec:
         for c in cache:
             keys, values = c.keys, c.values
             sliding = type(c) is RotatingKVCache
-            if quantization is not None:
-                if sliding:
-                    raise UnsupportedModelError(
-                        f"layer {len(layers)} is a sliding-window layer: a quantized cache "
-                        "(kv_bits) is supported for models whose layers are all global "
-                        "(Llama, Qwen...), not yet for sliding-window ones (Gemma 3); "
-                        "use kv_bits=None with this model"
-                    )
+            if quantization is not None and not sliding:
                 quantization.check(int(keys.shape[3]), f"layer {len(layers)}'s keys")
                 quantization.check(int(values.shape[3]), f"layer {len(layers)}'s values")
             layers.append(
@@ -152,7 +184,7 @@ class ModelCacheSpec:
                     key_dim=int(keys.shape[3]),
                     value_dim=int(values.shape[3]),
                     dtype=keys.dtype,
-                    quantization=quantization,
+                    quantization=None if sliding else quantization,
                 )
             )
         return cls(layers=tuple(layers), context_length=_context_length(model))
