@@ -234,5 +234,9 @@ def test_the_pool_counts_each_layers_blocks_at_their_size(gemma: Loaded) -> None
     assert pool.used_blocks * pool.spec.unit_bytes == 3 * global_
     pool.free(made)
     assert pool.free_blocks == pool.total_blocks
+    wide = mx.zeros((1, 2, 256, 32))  # a sliding layer's block, outside any reservation
+    block = pool.allocate(0, 0, wide, wide)
+    assert pool.used_blocks == four.units(0) and pool.statistics().reserved_blocks == 0
+    pool.free([block])
     with pytest.raises(InvalidRequestError, match="holds no block"):
         BlockPool.from_bytes(four, sliding - 1)

@@ -42,11 +42,13 @@ def held(pool: BlockPool, *caches: AgentBlocks) -> None:
     """The pool holds exactly the distinct blocks of ``caches``, each referenced once
     per holder, and nothing is reserved."""
     refs: dict[int, int] = {}
+    units = 0
     for blocks in caches:
         for b in blocks.blocks():
+            units += 0 if b.id in refs else pool.spec.units(b.layer)
             refs[b.id] = refs.get(b.id, 0) + 1
     stats = pool.statistics()
-    assert (stats.used_blocks, stats.reserved_blocks) == (len(refs), 0)
+    assert (stats.used_blocks, stats.reserved_blocks) == (units, 0)
     for blocks in caches:
         for b in blocks.blocks():
             assert pool.references(b) == refs[b.id]

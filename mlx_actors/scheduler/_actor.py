@@ -530,7 +530,7 @@ class Scheduler:
             layers=spec.num_layers,
             sliding_layers=spec.sliding_layers,
             block_bytes=spec.block_bytes,
-            pool_blocks=pool.total_blocks,
+            pool_bytes=pool.budget_bytes,
             max_batch_size=self._max_batch_size,
         )
         return engine

@@ -210,7 +210,7 @@ class BlockPool:
 
     def allocate(self, layer: int, start: int, keys: mx.array, values: mx.array) -> KVBlock:
         """Make one block outside any reservation (raises :class:`PoolExhaustedError`)."""
-        reservation = self.reserve(1)
+        reservation = self.reserve(self.spec.units(layer))
         return reservation.allocate(layer, start, keys, values)
 
     def share(self, block: KVBlock) -> KVBlock:
