@@ -10,7 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from mlx_actors import Runtime, gather
 from mlx_actors.errors import (
@@ -157,12 +157,31 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
     return load(write_random_model(path, config, seed=11, init_scale=1.0))
 
 
+class RoundTripRotatingKVCache(RotatingKVCache):  # type: ignore[misc]
+    """mlx-lm's ``RotatingKVCache`` fed each key and value after ``mx.quantize`` and
+    ``mx.dequantize``: the reference for a quantized sliding-window layer (mlx-lm has no
+    quantized rotating cache: ``RotatingKVCache.to_quantized`` raises)."""
+
+    def __init__(self, max_size: int, bits: int) -> None:
+        super().__init__(max_size)
+        self.round_bits = bits
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        def round_trip(x: mx.array) -> mx.array:
+            data, scales, biases = mx.quantize(x, group_size=32, bits=self.round_bits)
+            return mx.dequantize(data, scales, biases, group_size=32, bits=self.round_bits)
+
+        return super().update_and_fetch(round_trip(keys), round_trip(values))
+
+
 def mixed_cache(model: Any, bits: int) -> list[Any]:
-    """mlx-lm's prompt cache for Gemma 3 with its global layers quantized: the
-    ``QuantizedKVCache`` there, its own ``RotatingKVCache`` in the sliding layers
-    (mlx-lm's ``kv_bits`` stops at them: ``RotatingKVCache.to_quantized`` raises)."""
+    """The reference prompt cache for Gemma 3 with ``kv_bits``: mlx-lm's
+    ``QuantizedKVCache`` in the global layers, :class:`RoundTripRotatingKVCache` in the
+    sliding ones."""
     return [
-        QuantizedKVCache(group_size=32, bits=bits) if type(c) is KVCache else c
+        QuantizedKVCache(group_size=32, bits=bits)
+        if type(c) is KVCache
+        else RoundTripRotatingKVCache(c.max_size, bits)
         for c in make_prompt_cache(model)
     ]
 
@@ -173,7 +192,8 @@ async def test_gemma_with_quantized_global_layers_equals_mlx_lm(
     gemma: Loaded, bits: int, tmp_path: Path
 ) -> None:
     """Alone, batched, past the window, evicted under a small pool and after a restart,
-    each agent's replies equal mlx-lm's through one persistent mixed prompt cache."""
+    each agent's replies equal mlx-lm's through one persistent prompt cache of
+    quantized global layers and round-tripping sliding ones."""
     eos = gemma.tokenizer.eos_token_ids
     turns = ["Hello there, how are you today?", "Tell me about the sea.", "And the hills?"]
     options: dict[str, Any] = dict(
@@ -192,7 +212,7 @@ async def test_gemma_with_quantized_global_layers_equals_mlx_lm(
 
     async with Runtime(gemma.path, **options) as rt:
         spec = ModelCacheSpec.from_model(gemma.model, quantization=KVQuantization(bits, 32))
-        assert [layer.quantization is not None for layer in spec.layers] == [False] * 5 + [True]
+        assert all(layer.quantization is not None for layer in spec.layers)
         agents = [
             await rt.spawn(f"a{i}", system=f"You are agent number {i}.", max_tokens=24)
             for i in range(4)
@@ -201,8 +221,7 @@ async def test_gemma_with_quantized_global_layers_equals_mlx_lm(
         await gather(*(converse(a, turns) for a in agents[1:]))  # batched
         stats = await rt.stats()
         assert stats.max_batch_size >= 2 and stats.evictions > 0 and stats.restores > 0
-        assert stats.pool.block_bytes == spec.unit_bytes
-        assert stats.pool.total_blocks == 40 * spec.max_units
+        assert stats.pool.block_bytes == spec.block_bytes and stats.pool.total_blocks == 40
         assert all(len(chat.tokens) > 2 * GEMMA_WINDOW for chat in chats.values())
     async with Runtime(gemma.path, **options) as rt:
         await converse(rt.agent("a1"), ["After the restart?"])
@@ -212,31 +231,68 @@ async def test_gemma_with_quantized_global_layers_equals_mlx_lm(
             pass
 
 
-def test_the_pool_counts_each_layers_blocks_at_their_size(gemma: Loaded) -> None:
-    """Quantized global blocks beside unquantized sliding ones: the pool counts units of
-    the layers' common divisor, so that the quantized blocks take their real share."""
-    plain = ModelCacheSpec.from_model(gemma.model)
-    four = ModelCacheSpec.from_model(gemma.model, quantization=KVQuantization(4, 32))
-    assert plain.unit_bytes == plain.block_bytes and plain.max_units == 1
-    sliding, global_ = four.layers[0].block_bytes, four.layers[5].block_bytes
-    # f32 heads of 32: 128 bytes; at 4 bits 16 bytes, with a scale and a bias of 4.
-    assert sliding / global_ == 128 / 24 and four.block_bytes == sliding
-    assert four.units(0) * four.unit_bytes == sliding and four.units(5) * four.unit_bytes == global_
-    # 1,000 tokens: four global blocks; the 40-token window lies in one block.
-    assert four.units_held(1000) == 4 * four.units(5) + 5 * four.units(0)
-    pool = BlockPool.from_bytes(four, 10 * sliding)
-    assert pool.total_blocks == 10 * four.max_units
-    keys = mx.zeros((1, 2, 256, four.layers[5].stored_key_dim), dtype=mx.uint16)
-    reservation = pool.reserve(four.units(5) * 3)
-    made = [reservation.allocate(5, 256 * i, keys, keys) for i in range(3)]
+@pytest.fixture(scope="module")
+def elm(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
+    """A tiny OpenELM: its layers have 1, 2 and 4 KV heads, so blocks of 1, 2 and 4 times
+    the smallest size."""
+    config = tiny_config(
+        "openelm",
+        head_dim=16,
+        num_transformer_layers=3,
+        model_dim=64,
+        ffn_dim_divisor=8,
+        num_query_heads=[4, 4, 4],
+        num_kv_heads=[1, 2, 4],
+        ffn_multipliers=[1.0, 1.0, 1.0],
+    )
+    path = tmp_path_factory.mktemp("models") / "elm"
+    return load(write_random_model(path, config, seed=3, init_scale=INIT_SCALE))
+
+
+def test_the_pool_counts_each_layers_blocks_at_their_size(elm: Loaded) -> None:
+    """Layers whose blocks differ in size: the pool counts units of their common divisor,
+    so that each block takes its real share."""
+    spec = elm.spec
+    sizes = [layer.block_bytes for layer in spec.layers]
+    assert sizes[1] == 2 * sizes[0] and sizes[2] == 4 * sizes[0]
+    assert spec.unit_bytes == sizes[0] and [spec.units(i) for i in range(3)] == [1, 2, 4]
+    assert spec.block_bytes == sizes[2] and spec.max_units == 4
+    assert spec.units_held(300) == 2 * (1 + 2 + 4)
+    pool = BlockPool.from_bytes(spec, 3 * sizes[2])
+    assert pool.total_blocks == 12 and pool.budget_bytes == 3 * sizes[2]
+    keys = [mx.zeros((1, layer.kv_heads, 256, 16)) for layer in spec.layers]
+    reservation = pool.reserve(2 * 4)
+    made = [reservation.allocate(2, 256 * i, keys[2], keys[2]) for i in range(2)]
     with pytest.raises(PoolExhaustedError, match="bug"):
-        reservation.allocate(5, 768, keys, keys)
-    assert pool.used_blocks * pool.spec.unit_bytes == 3 * global_
-    pool.free(made)
+        reservation.allocate(0, 512, keys[0], keys[0])
+    block = pool.allocate(1, 0, keys[1], keys[1])  # outside any reservation
+    assert pool.used_blocks == 2 * 4 + 2 and pool.statistics().reserved_blocks == 0
+    with pytest.raises(PoolExhaustedError, match="needs 4 free units"):
+        pool.allocate(2, 512, keys[2], keys[2])
+    pool.free([*made, block])
     assert pool.free_blocks == pool.total_blocks
-    wide = mx.zeros((1, 2, 256, 32))  # a sliding layer's block, outside any reservation
-    block = pool.allocate(0, 0, wide, wide)
-    assert pool.used_blocks == four.units(0) and pool.statistics().reserved_blocks == 0
-    pool.free([block])
     with pytest.raises(InvalidRequestError, match="holds no block"):
-        BlockPool.from_bytes(four, sliding - 1)
+        BlockPool.from_bytes(spec, sizes[2] - 1)
+
+
+@pytest.mark.anyio
+async def test_layers_of_different_sizes_share_the_pool_by_their_bytes(elm: Loaded) -> None:
+    """Two agents of one block per layer fit a pool of six of the largest blocks: 24
+    units, and a turn holds its agent's 1 + 2 + 4 and as many reserved beside the other
+    agent's 7. Counted at the largest size (three blocks each, nine in all), one agent
+    would have been evicted. Replies equal mlx-lm's."""
+    eos = elm.tokenizer.eos_token_ids
+    async with Runtime(elm.path, pool_blocks=6, log_level="off", share_prefixes=False) as rt:
+        agents = [await rt.spawn(f"a{i}", max_tokens=12) for i in range(2)]
+        for agent in agents:
+            chat = ReferenceChat(elm.model, eos)
+            for text in ("Hi.", "Again?"):
+                reply = await agent.ask(text)
+                prompt = render(elm.tokenizer, list(agent.history)[:-1])
+                assert list(reply.tokens) == chat.turn(prompt, 12)
+        stats = await rt.stats()
+        assert stats.evictions == 0 and stats.resident_agents == 2
+        assert stats.pool.total_blocks == 24 and stats.pool.used_blocks == 2 * (1 + 2 + 4)
+        assert stats.pool.used_blocks * stats.pool.block_bytes == 2 * sum(
+            layer.block_bytes for layer in elm.spec.layers
+        )

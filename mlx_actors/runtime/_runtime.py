@@ -140,9 +140,9 @@ class Runtime:
             default) or only when leaving the runtime (``"exit"``).
         kv_bits: quantize the KV cache to 8 or 4 bits (``None``: keep the model's
             dtype): two to four times the agents in the same pool, decoded in the
-            same batch, as mlx-lm's quantized cache computes them. On sliding-window
-            models (Gemma 3) only the global layers are quantized: mlx-lm has no
-            quantized rotating cache, so the sliding layers keep the model's dtype.
+            same batch, as mlx-lm's quantized cache computes them; sliding-window
+            layers (Gemma 3), which mlx-lm cannot quantize, attend over their window
+            dequantized.
         kv_group_size: values per scale and bias along a head (32, 64 or 128).
 
     When a turn needs more blocks than are free, the least recently used idle agents'

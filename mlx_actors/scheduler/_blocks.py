@@ -31,6 +31,7 @@ from ._margin import MarginRotatingKVCache
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefix import Node, Piece, PrefixIndex, cover, runs_of
 from ._quantized import BlockQuantizedKVCache, pack, unpack
+from ._quantized_window import QuantizedMarginRotatingKVCache
 from ._spec import (
     BLOCK_SIZE,
     SLIDING_MARGIN,
@@ -160,7 +161,7 @@ def to_cache(
             extra,
         )
         q = layer.quantization
-        if q is not None:
+        if q is not None and layer.kind is LayerKind.GLOBAL:
             cache: Any = BlockQuantizedKVCache(group_size=q.group_size, bits=q.bits)
             cache.keys = unpack(keys, layer.key_dim, layer.dtype, q)
             cache.values = unpack(values, layer.value_dim, layer.dtype, q)
@@ -170,12 +171,36 @@ def to_cache(
         if layer.kind is LayerKind.GLOBAL:
             cache = KVCache()
         else:
-            assert layer.window is not None
-            cache = MarginRotatingKVCache(layer.window)
+            cache = window_cache(layer)  # a quantized one keeps the blocks' packed arrays
             cache._idx = keep - lo
         cache.keys, cache.values, cache.offset = keys, values, keep
         caches.append(cache)
     return caches
+
+
+def make_cache(spec: ModelCacheSpec) -> list[Any]:
+    """An empty per-layer cache for a model with ``spec``: mlx-lm's ``KVCache`` for
+    global layers (with ``kv_bits``, :class:`~._quantized.BlockQuantizedKVCache`), and
+    :class:`~._margin.MarginRotatingKVCache` for sliding-window ones (with ``kv_bits``,
+    its quantized form)."""
+    caches: list[Any] = []
+    for layer in spec.layers:
+        q = layer.quantization
+        if layer.kind is LayerKind.SLIDING:
+            caches.append(window_cache(layer))
+        elif q is not None:
+            caches.append(BlockQuantizedKVCache(group_size=q.group_size, bits=q.bits))
+        else:
+            caches.append(KVCache())
+    return caches
+
+
+def window_cache(layer: LayerSpec) -> MarginRotatingKVCache:
+    """An empty cache for a sliding-window layer."""
+    assert layer.window is not None
+    if layer.quantization is not None:
+        return QuantizedMarginRotatingKVCache(layer.window, layer.quantization)
+    return MarginRotatingKVCache(layer.window)
 
 
 def blocks_needed(spec: ModelCacheSpec, final_tokens: int, shared_tokens: int) -> int:

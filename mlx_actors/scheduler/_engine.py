@@ -22,11 +22,11 @@ from ._blocks import (
     checkpoint_copies,
     evaluate,
     from_cache,
+    make_cache,
     pieces,
     plan_cut,
     to_cache,
 )
-from ._margin import make_cache
 from ._pacing import Pacing
 from ._pacing import chunk as fit
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation

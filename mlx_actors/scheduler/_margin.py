@@ -36,10 +36,9 @@ from typing import Any
 
 import attrs
 import mlx.core as mx
-from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
-from ._quantized import BlockQuantizedKVCache
-from ._spec import SLIDING_MARGIN, ModelCacheSpec
+from ._spec import SLIDING_MARGIN
 
 #: Tokens copied aside at once, before the ring overwrites them.
 CHUNK = 32
@@ -161,6 +160,10 @@ class MarginRotatingKVCache(RotatingKVCache):  # type: ignore[misc]
         if self.uncopied is not None:
             self.uncopied += int(keys.shape[2])
         return super()._update_concat(keys, values)
+
+    def empty_like(self) -> MarginRotatingKVCache:
+        """A new empty cache of the same kind and window."""
+        return MarginRotatingKVCache(self.max_size)
 
     def margin(self, lo: int) -> tuple[int, mx.array, mx.array] | None:
         """The kept tokens from ``lo`` (or the oldest kept after it) up to the oldest
@@ -309,27 +312,15 @@ class MarginBatchRotatingKVCache(BatchRotatingKVCache):  # type: ignore[misc]
         self._set_uncopied([uncopied[int(i)] for i in keep])
         super().filter(batch_indices)
 
+    def _single(self) -> MarginRotatingKVCache:
+        """A new empty cache of one row of this kind."""
+        return MarginRotatingKVCache(self.max_size)
+
     def extract(self, idx: int) -> MarginRotatingKVCache:
         plain = super().extract(idx)
-        cache = MarginRotatingKVCache(self.max_size)
+        cache = self._single()
         cache.keys, cache.values = plain.keys, plain.values
         cache.offset, cache._idx = plain.offset, plain._idx
         cache.dropped = [r for d in self.rows[idx] if (r := d.resolved()) is not None]
         cache.uncopied = self.uncopied[idx]
         return cache
-
-
-def make_cache(spec: ModelCacheSpec) -> list[Any]:
-    """An empty per-layer cache for a model with ``spec``: mlx-lm's ``KVCache`` for
-    global layers, :class:`MarginRotatingKVCache` for sliding-window ones, and a
-    quantized cache for every layer of a model with ``kv_bits``."""
-    caches: list[Any] = []
-    for layer in spec.layers:
-        q = layer.quantization
-        if q is not None:
-            caches.append(BlockQuantizedKVCache(group_size=q.group_size, bits=q.bits))
-        elif layer.window is None:
-            caches.append(KVCache())
-        else:
-            caches.append(MarginRotatingKVCache(layer.window))
-    return caches

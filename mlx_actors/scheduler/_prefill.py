@@ -12,8 +12,8 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from ._blocks import to_cache
-from ._margin import MarginRotatingKVCache, make_cache
+from ._blocks import make_cache, to_cache
+from ._margin import MarginRotatingKVCache
 from ._pool import KVBlock, Reservation
 from ._prefix import Source
 from ._quantized import BlockQuantizedKVCache, sliced
@@ -113,7 +113,11 @@ def snapshot(cache: list[Any]) -> list[Any]:
         if isinstance(c, RotatingKVCache):
             keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)
             held = min(int(keys.shape[2]), c.offset, c.max_size)
-            copy: Any = MarginRotatingKVCache(c.max_size)
+            copy: Any = (
+                c.empty_like()
+                if isinstance(c, MarginRotatingKVCache)
+                else MarginRotatingKVCache(c.max_size)
+            )
             copy.keys, copy.values = keys[..., -held:, :], values[..., -held:, :]
             copy._idx = held
         elif isinstance(c, BlockQuantizedKVCache):

@@ -153,10 +153,8 @@ class ModelCacheSpec:
         """Read the cache spec of ``model`` by running one token through a fresh cache;
         with ``quantization``, its blocks hold quantized keys and values.
 
-        Only global layers are quantized: mlx-lm has no quantized form of the
-        ``RotatingKVCache`` of sliding-window layers (Gemma 3), so those stay in the
-        model's dtype, as a prompt cache mixing mlx-lm's ``QuantizedKVCache`` and
-        ``RotatingKVCache`` would keep them.
+        Sliding-window layers (Gemma 3) are quantized alike, in the caches of
+        :mod:`._quantized_window` (mlx-lm has no quantized rotating cache).
 
         Raises:
             UnsupportedModelError: if a layer's cache is neither mlx-lm's ``KVCache``
@@ -173,7 +171,7 @@ class ModelCacheSpec:
         for c in cache:
             keys, values = c.keys, c.values
             sliding = type(c) is RotatingKVCache
-            if quantization is not None and not sliding:
+            if quantization is not None:
                 quantization.check(int(keys.shape[3]), f"layer {len(layers)}'s keys")
                 quantization.check(int(values.shape[3]), f"layer {len(layers)}'s values")
             layers.append(
@@ -184,7 +182,7 @@ class ModelCacheSpec:
                     key_dim=int(keys.shape[3]),
                     value_dim=int(values.shape[3]),
                     dtype=keys.dtype,
-                    quantization=None if sliding else quantization,
+                    quantization=quantization,
                 )
             )
         return cls(layers=tuple(layers), context_length=_context_length(model))
