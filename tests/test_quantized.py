@@ -25,6 +25,11 @@ from mlx_actors.scheduler import (
     KVQuantization,
     ModelCacheSpec,
 )
+from mlx_actors.scheduler import _quantized_window as quantized_window
+from mlx_actors.scheduler._quantized_window import (
+    QuantizedMarginBatchRotatingKVCache,
+    QuantizedMarginRotatingKVCache,
+)
 from mlx_actors.testing import family_configs, tiny_config, write_random_model
 
 from .conftest import INIT_SCALE, Loaded, ReferenceChat, load, reference, render
@@ -229,6 +234,53 @@ async def test_gemma_with_quantized_global_layers_equals_mlx_lm(
     with pytest.raises(ModelMismatchError, match=f"quantized as {bits}-bit"):
         async with Runtime(gemma.path, **{**options, "kv_bits": 12 - bits}):
             pass
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_quantized_window_hands_out_its_ring_dequantized(dtype: mx.Dtype) -> None:
+    """Single and batched, through a prefill, decoding past the window, a merge and an
+    extract: what the cache hands the model is its packed ring dequantized, bit for bit,
+    and a decoding step dequantizes only its new token (the copy kept in step)."""
+    q = KVQuantization(4, 32)
+    calls: list[int] = []
+    real = quantized_window.dequantize_packed
+
+    def counting(packed: mx.array, dim: int, dt: mx.Dtype, qq: KVQuantization) -> mx.array:
+        calls.append(int(packed.shape[2]))
+        return real(packed, dim, dt, qq)
+
+    def check(cache: Any, got: tuple[mx.array, mx.array]) -> None:
+        held = int(got[0].shape[2])
+        for ring, out in zip((cache.keys, cache.values), got, strict=True):
+            want = real(ring[..., :held, :], 64, dtype, q)
+            assert mx.array_equal(out, want).item()
+
+    quantized_window.dequantize_packed = counting  # type: ignore[assignment]
+    try:
+        caches = []
+        for n in (5, 30):
+            cache = QuantizedMarginRotatingKVCache(24, q)
+            x = mx.random.normal((1, 2, n, 64)).astype(dtype)
+            check(cache, cache.update_and_fetch(x, x * 2))
+            caches.append(cache)
+        calls.clear()
+        for _ in range(40):  # past the window: the ring rotates
+            x = mx.random.normal((1, 2, 1, 64)).astype(dtype)
+            check(caches[0], caches[0].update_and_fetch(x, -x))
+        # The first step grows the ring to the window (all of it dequantized once); then
+        # one token at a time, keys and values.
+        assert calls[:2] == [24, 24] and set(calls[2:]) == {1}
+        batch = caches[0].merge(caches)
+        assert isinstance(batch, QuantizedMarginBatchRotatingKVCache)
+        for _ in range(30):
+            x = mx.random.normal((2, 2, 1, 64)).astype(dtype)
+            check(batch, batch.update_and_fetch(x, x))
+        single = batch.extract(1)
+        assert isinstance(single, QuantizedMarginRotatingKVCache)
+        x = mx.random.normal((1, 2, 1, 64)).astype(dtype)
+        check(single, single.update_and_fetch(x, x))
+    finally:
+        quantized_window.dequantize_packed = real  # type: ignore[assignment]
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,10 @@ mlx-lm's ``QuantizedKVCache`` applies: per token and head, in groups along the h
 gives the model the ring dequantized, so the layer's attention is mlx-lm's ordinary one,
 over the window's keys and values as the quantized cache holds them. The same as
 mlx-lm's ``RotatingKVCache`` fed each key and value after ``mx.quantize`` and
-``mx.dequantize``, which the tests use as the reference. A window is at most a few
-thousand tokens, so dequantizing it at every step costs little beside the layer.
+``mx.dequantize``, which the tests use as the reference. While decoding, a dequantized
+copy of the window is kept in step with the ring, so that a step dequantizes one token,
+not the window (the copy lives in the batch's working cache only; blocks hold the
+packed form).
 """
 
 from __future__ import annotations
@@ -36,17 +38,49 @@ def dequantize_packed(packed: mx.array, dim: int, dtype: mx.Dtype, q: KVQuantiza
     return mx.dequantize(data, scales, biases, group_size=q.group_size, bits=q.bits)
 
 
-def _fetch(
-    q: KVQuantization, keys: mx.array, values: mx.array, update: Any
-) -> tuple[mx.array, mx.array]:
-    k, v = update(quantize_packed(keys, q), quantize_packed(values, q))
-    return (
-        dequantize_packed(k, int(keys.shape[-1]), keys.dtype, q),
-        dequantize_packed(v, int(values.shape[-1]), values.dtype, q),
-    )
+class _Dequantized:
+    """What both caches add to their parent: :meth:`_fetch`, and a dequantized copy of
+    the ring (the *mirror*) kept in step with it, so that a decoding step dequantizes
+    only its new token, not the window. Any change to the ring other than a one-token
+    update (a prefill, a move through the batch, a rebuild from blocks: each replaces
+    the ring array) makes the next update dequantize the whole ring again."""
+
+    quantization: KVQuantization
+    keys: mx.array | None
+    _idx: int
+    #: The dequantized ring, and the ring array it mirrors.
+    _mirror: tuple[mx.array, mx.array] | None = None
+    _source: mx.array | None = None
+
+    def _fetch(self, keys: mx.array, values: mx.array, update: Any) -> tuple[mx.array, mx.array]:
+        q = self.quantization
+        dk, dv, dtype = int(keys.shape[-1]), int(values.shape[-1]), keys.dtype
+        pk, pv = quantize_packed(keys, q), quantize_packed(values, q)
+        before = self.keys
+        shape = None if before is None else tuple(before.shape)
+        fresh = self._mirror is None or before is None or before is not self._source
+        k, _ = update(pk, pv)
+        assert self.keys is not None
+        n = int(keys.shape[2])
+        if not fresh and n == 1 and tuple(self.keys.shape) == shape and self._mirror is not None:
+            # The update wrote one slot of the ring in place (no growth, no trim).
+            mk, mv = self._mirror
+            slot = self._idx - n
+            mk[..., slot : slot + n, :] = dequantize_packed(pk, dk, dtype, q)
+            mv[..., slot : slot + n, :] = dequantize_packed(pv, dv, dtype, q)
+        else:
+            values_ring = self.values  # type: ignore[attr-defined]
+            mk = dequantize_packed(self.keys, dk, dtype, q)
+            mv = dequantize_packed(values_ring, dv, dtype, q)
+        self._mirror, self._source = (mk, mv), self.keys
+        held = int(k.shape[2])  # the parent hands out the ring's first `held` slots
+        return mk[..., :held, :], mv[..., :held, :]
+
+    def _mirror_bytes(self) -> int:
+        return sum(int(a.nbytes) for a in self._mirror) if self._mirror is not None else 0
 
 
-class QuantizedMarginRotatingKVCache(MarginRotatingKVCache):
+class QuantizedMarginRotatingKVCache(_Dequantized, MarginRotatingKVCache):
     """:class:`~._margin.MarginRotatingKVCache` of packed quantized keys and values."""
 
     def __init__(self, max_size: int, quantization: KVQuantization) -> None:
@@ -54,7 +88,11 @@ class QuantizedMarginRotatingKVCache(MarginRotatingKVCache):
         self.quantization = quantization
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return _fetch(self.quantization, keys, values, super().update_and_fetch)
+        return self._fetch(keys, values, super().update_and_fetch)
+
+    @property
+    def nbytes(self) -> int:
+        return int(super().nbytes) + self._mirror_bytes()
 
     def empty_like(self) -> QuantizedMarginRotatingKVCache:
         return QuantizedMarginRotatingKVCache(self.max_size, self.quantization)
@@ -66,13 +104,17 @@ class QuantizedMarginRotatingKVCache(MarginRotatingKVCache):
         return batch
 
 
-class QuantizedMarginBatchRotatingKVCache(MarginBatchRotatingKVCache):
+class QuantizedMarginBatchRotatingKVCache(_Dequantized, MarginBatchRotatingKVCache):
     """:class:`~._margin.MarginBatchRotatingKVCache` of packed quantized keys and values."""
 
     quantization: KVQuantization
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return _fetch(self.quantization, keys, values, super().update_and_fetch)
+        return self._fetch(keys, values, super().update_and_fetch)
+
+    @property
+    def nbytes(self) -> int:
+        return int(super().nbytes) + self._mirror_bytes()
 
     def _single(self) -> QuantizedMarginRotatingKVCache:
         return QuantizedMarginRotatingKVCache(self.max_size, self.quantization)
