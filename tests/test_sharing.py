@@ -15,7 +15,7 @@ import pytest
 from mlx_actors import Runtime
 from mlx_actors.errors import AgentClosedError, InvalidRequestError
 from mlx_actors.scheduler import BLOCK_SIZE, AgentBlocks, BlockPool, BlockPoolBatchEngine
-from mlx_actors.scheduler._image import cache_dtype, make_blocks, take_image
+from mlx_actors.scheduler._image import make_blocks, take_image
 from mlx_actors.testing import tiny_config, write_random_model
 
 from .conftest import Loaded, ReferenceChat, load, reference, render, run_to_completion
@@ -439,7 +439,7 @@ def test_a_restore_reserves_only_the_blocks_nobody_holds(
     uids = [engine.submit(f"agent{i}", p, max_tokens=N) for i, p in enumerate(prompts)]
     done = run_to_completion(engine)
     first, second = (done[uid].blocks for uid in uids)
-    image = take_image(first, {}, cache_dtype(tiny.spec), 1)
+    image = take_image(first, {}, tiny.spec.layers[0].dtype, 1)
     engine.release(first)  # evicted: only the brief, which the other agent holds, stays
     brief = sum(1 for layer in second.layers for b in layer if b.end <= 2 * BLOCK_SIZE)
     asked: list[int] = []

@@ -186,15 +186,16 @@ def read_json(path: Path) -> Any:
 
 
 def safetensors_bytes(
-    tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str], metadata: Mapping[str, str]
+    tensors: Mapping[str, np.ndarray], dtype: str, metadata: Mapping[str, str]
 ) -> Iterator[bytes]:
-    """The pieces of a safetensors file holding ``tensors`` (the bits of values of the
-    type ``dtypes`` names for each, as unsigned integers of the same width)."""
+    """The pieces of a safetensors file holding ``tensors`` (the bits of ``dtype`` values,
+    as unsigned integers of the same width)."""
+    code = DTYPE_CODES[dtype]
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
     for name, a in tensors.items():
         header[name] = {
-            "dtype": DTYPE_CODES[dtypes[name]],
+            "dtype": code,
             "shape": list(a.shape),
             "data_offsets": [offset, offset + a.nbytes],
         }
@@ -206,9 +207,9 @@ def safetensors_bytes(
         yield np.ascontiguousarray(a).tobytes()
 
 
-def read_safetensors(path: Path, sha256: str | None = None) -> dict[str, np.ndarray]:
-    """Tensors of a safetensors file (as unsigned bits); checks the file's checksum and
-    that every tensor lies inside it."""
+def read_safetensors(path: Path, sha256: str | None = None) -> tuple[dict[str, np.ndarray], str]:
+    """Tensors of a safetensors file (as unsigned bits) and their dtype; checks the file's
+    checksum and that every tensor lies inside it."""
     try:
         data = read_file(path)
     except FileNotFoundError as exc:
@@ -220,7 +221,7 @@ def read_safetensors(path: Path, sha256: str | None = None) -> dict[str, np.ndar
         header = json.loads(data[8 : 8 + size])
         body = memoryview(data)[8 + size :]
         header.pop("__metadata__", None)
-        tensors = {}
+        tensors, codes = {}, set()
         for name, info in header.items():
             code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
             bits = _BITS[code]
@@ -230,6 +231,10 @@ def read_safetensors(path: Path, sha256: str | None = None) -> dict[str, np.ndar
             ):
                 raise ValueError(f"tensor {name} lies outside the file")
             tensors[name] = np.frombuffer(body[begin:end], dtype=bits).reshape(shape)
+            codes.add(code)
     except (struct.error, ValueError, KeyError, TypeError) as exc:
         raise CorruptStateError(f"{path} is not a valid safetensors file: {exc}") from exc
-    return tensors
+    names = {v: k for k, v in DTYPE_CODES.items()}
+    if len(codes) > 1:
+        raise CorruptStateError(f"{path} mixes dtypes {sorted(codes)}")
+    return tensors, names[codes.pop()] if codes else "float16"

@@ -280,19 +280,12 @@ class DiskCacheStore:
         """Write ``blocks`` of ``image`` as ``chunk`` (the tensors numbered in order);
         if that fails, forget what it was to hold."""
         try:
-            names = image.dtype.split(",")
-            dtype_of = {
-                e.key: names[e.layer] if len(names) > 1 else names[0]
-                for row in image.layers
-                for e in row
-            }
-            tensors, dtypes = {}, {}
+            tensors = {}
             for number, block in enumerate(blocks):
                 k, v = image.arrays[block]
                 tensors[f"{number}.keys"], tensors[f"{number}.values"] = k, v
-                dtypes[f"{number}.keys"] = dtypes[f"{number}.values"] = dtype_of[block]
             meta = {"format": str(CACHE_FORMAT)}
-            data = b"".join(safetensors_bytes(tensors, dtypes, meta))
+            data = b"".join(safetensors_bytes(tensors, image.dtype, meta))
             sha = piecewise_sha256(data)
             write_atomic(self.blocks / chunk, data)
         except BaseException:
@@ -332,7 +325,7 @@ class DiskCacheStore:
             raise CorruptStateError(f"{where} is missing")
         try:
             chunks = {
-                name: read_safetensors(self.blocks / name, sha)
+                name: read_safetensors(self.blocks / name, sha)[0]
                 for name, sha in index["chunks"].items()
             }
             keys: dict[str, int] = {}

@@ -13,7 +13,7 @@ from ..errors import CacheReconstructionError
 from ._blocks import check_blocks
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefix import Node, PrefixIndex
-from ._spec import BLOCK_SIZE, ModelCacheSpec
+from ._spec import BLOCK_SIZE
 from ._transfer import to_device, to_host
 
 #: Same-width unsigned types: a bit-exact host copy of any key/value dtype (bf16 too).
@@ -27,26 +27,6 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 #: What blocks hold: keys and values, or (``uint16``) quantized ones packed.
 _DTYPES = {dtype_name(t): t for t in (mx.float16, mx.bfloat16, mx.float32, mx.uint16)}
-
-
-def cache_dtype(spec: ModelCacheSpec) -> str:
-    """What :attr:`CacheImage.dtype` says of a cache of ``spec``: its blocks' element
-    type, or, when the layers' differ (quantized global layers beside unquantized
-    sliding ones), one per layer, joined by commas."""
-    names = [dtype_name(layer.stored_dtype) for layer in spec.layers]
-    return names[0] if len(set(names)) == 1 else ",".join(names)
-
-
-def layer_dtypes(dtype: str, num_layers: int) -> list[mx.Dtype] | None:
-    """The element type of each layer's blocks an image's ``dtype`` says (``None``: it
-    names an unknown type, or another number of layers)."""
-    names = dtype.split(",")
-    if len(names) == 1:
-        names *= num_layers
-    found = [_DTYPES.get(name) for name in names]
-    if len(found) != num_layers or any(t is None for t in found):
-        return None
-    return found  # type: ignore[return-value]
 
 
 @attrs.frozen(kw_only=True)
@@ -69,7 +49,6 @@ class CacheImage:
 
     tokens: tuple[int, ...]
     layers: tuple[tuple[BlockEntry, ...], ...]
-    #: The blocks' element type (:func:`cache_dtype`).
     dtype: str
     arrays: Mapping[int, tuple[np.ndarray, np.ndarray]] = attrs.field(factory=dict)
     #: Which snapshot of the agent's cache this is (the engine thread numbers them).
@@ -94,7 +73,7 @@ class CacheImage:
 def take_image(
     blocks: AgentBlocks,
     stored: Mapping[int, str],
-    dtype: str,
+    dtype: mx.Dtype,
     serial: int,
     *,
     whole: bool = False,
@@ -118,7 +97,7 @@ def take_image(
     return CacheImage(
         tokens=blocks.tokens,
         layers=tuple(layers),
-        dtype=dtype,
+        dtype=dtype_name(dtype),
         arrays=arrays,
         serial=serial,
         anchors=blocks.anchors,
@@ -138,11 +117,11 @@ def make_blocks(
     made, from ``reserve(n)``, which may move other caches to disk to find room. On
     error every block taken is freed again."""
     spec = pool.spec
-    dtypes = layer_dtypes(image.dtype, len(image.layers))
-    if len(image.layers) != spec.num_layers or dtypes is None:
+    dtype = _DTYPES.get(image.dtype)
+    if len(image.layers) != spec.num_layers or dtype is None:
         raise CacheReconstructionError(
             f"a saved cache of {len(image.layers)} layers of {image.dtype} does not fit this "
-            f"model ({spec.num_layers} layers of {cache_dtype(spec)})"
+            f"model ({spec.num_layers} layers of {spec.layers[0].dtype})"
         )
     index = index if index is not None else PrefixIndex(spec)
     tokens = image.tokens
@@ -170,19 +149,15 @@ def make_blocks(
                     block = None
                 row.append((e, node, block))
             plan.append(row)
-        units = pool.spec.units
+        units = spec.units
         reservation = reserve(
             sum(units(number) for number, row in enumerate(plan) for _, _, b in row if b is None)
         )
-        wanted = {
-            e.key: dtypes[number] for number, row in enumerate(plan) for e, _, b in row if b is None
-        }
-        bits = to_device(
-            [_bits(image, key, which, dtype) for key, dtype in wanted.items() for which in (0, 1)]
-        )
+        wanted = list(dict.fromkeys(e.key for row in plan for e, _, b in row if b is None))
+        bits = to_device([_bits(image, key, which, dtype) for key in wanted for which in (0, 1)])
         arrays = {
             key: (bits[2 * i].view(dtype), bits[2 * i + 1].view(dtype))
-            for i, (key, dtype) in enumerate(wanted.items())
+            for i, key in enumerate(wanted)
         }
         layers = []
         for number, row in enumerate(plan):

@@ -20,7 +20,7 @@ from ..errors import (
 )
 from ._constraint import Constraint, grammar_tokenizer
 from ._engine import BlockPoolBatchEngine
-from ._image import CacheImage, cache_dtype, make_blocks, stored_ids, take_image
+from ._image import CacheImage, make_blocks, stored_ids, take_image
 from ._pool import AgentBlocks
 from ._protocol import (
     SHUTDOWN,
@@ -105,7 +105,7 @@ class EngineLoop:
         self._persistent = persistent_store
         #: Evicted caches carry every block (for host memory), not only unstored ones.
         self._whole_evictions = whole_evictions
-        self._dtype = cache_dtype(engine.spec)
+        self._dtype = engine.spec.layers[0].stored_dtype
         self.agents: dict[str, _Entry] = {}
         self.turns: dict[int, Turn] = {}
         #: Turns waiting for room in the pool, oldest first (with the cache read back

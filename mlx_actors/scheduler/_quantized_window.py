@@ -39,7 +39,7 @@ def dequantize_packed(packed: mx.array, dim: int, dtype: mx.Dtype, q: KVQuantiza
 
 
 class _Dequantized:
-    """What both caches add to their parent: :meth:`_fetch`, and a dequantized copy of
+    """What both caches add to their parent: ``update_and_fetch``, and a dequantized copy of
     the ring (the *mirror*) kept in step with it, so that a decoding step dequantizes
     only its new token, not the window. Any change to the ring other than a one-token
     update (a prefill, a move through the batch, a rebuild from blocks: each replaces
@@ -47,37 +47,39 @@ class _Dequantized:
 
     quantization: KVQuantization
     keys: mx.array | None
+    values: mx.array | None
     _idx: int
     #: The dequantized ring, and the ring array it mirrors.
     _mirror: tuple[mx.array, mx.array] | None = None
     _source: mx.array | None = None
 
-    def _fetch(self, keys: mx.array, values: mx.array, update: Any) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         q = self.quantization
         dk, dv, dtype = int(keys.shape[-1]), int(values.shape[-1]), keys.dtype
         pk, pv = quantize_packed(keys, q), quantize_packed(values, q)
         before = self.keys
         shape = None if before is None else tuple(before.shape)
-        fresh = self._mirror is None or before is None or before is not self._source
-        k, _ = update(pk, pv)
-        assert self.keys is not None
+        mirror = self._mirror if before is not None and before is self._source else None
+        k, _ = super().update_and_fetch(pk, pv)  # type: ignore[misc]
+        assert self.keys is not None and self.values is not None
         n = int(keys.shape[2])
-        if not fresh and n == 1 and tuple(self.keys.shape) == shape and self._mirror is not None:
+        if mirror is not None and n == 1 and tuple(self.keys.shape) == shape:
             # The update wrote one slot of the ring in place (no growth, no trim).
-            mk, mv = self._mirror
+            mk, mv = mirror
             slot = self._idx - n
             mk[..., slot : slot + n, :] = dequantize_packed(pk, dk, dtype, q)
             mv[..., slot : slot + n, :] = dequantize_packed(pv, dv, dtype, q)
         else:
-            values_ring = self.values  # type: ignore[attr-defined]
             mk = dequantize_packed(self.keys, dk, dtype, q)
-            mv = dequantize_packed(values_ring, dv, dtype, q)
+            mv = dequantize_packed(self.values, dv, dtype, q)
         self._mirror, self._source = (mk, mv), self.keys
         held = int(k.shape[2])  # the parent hands out the ring's first `held` slots
         return mk[..., :held, :], mv[..., :held, :]
 
-    def _mirror_bytes(self) -> int:
-        return sum(int(a.nbytes) for a in self._mirror) if self._mirror is not None else 0
+    @property
+    def nbytes(self) -> int:
+        mirror = sum(int(a.nbytes) for a in self._mirror) if self._mirror is not None else 0
+        return int(super().nbytes) + mirror  # type: ignore[misc]
 
 
 class QuantizedMarginRotatingKVCache(_Dequantized, MarginRotatingKVCache):
@@ -86,13 +88,6 @@ class QuantizedMarginRotatingKVCache(_Dequantized, MarginRotatingKVCache):
     def __init__(self, max_size: int, quantization: KVQuantization) -> None:
         super().__init__(max_size)
         self.quantization = quantization
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return self._fetch(keys, values, super().update_and_fetch)
-
-    @property
-    def nbytes(self) -> int:
-        return int(super().nbytes) + self._mirror_bytes()
 
     def empty_like(self) -> QuantizedMarginRotatingKVCache:
         return QuantizedMarginRotatingKVCache(self.max_size, self.quantization)
@@ -108,13 +103,6 @@ class QuantizedMarginBatchRotatingKVCache(_Dequantized, MarginBatchRotatingKVCac
     """:class:`~._margin.MarginBatchRotatingKVCache` of packed quantized keys and values."""
 
     quantization: KVQuantization
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return self._fetch(keys, values, super().update_and_fetch)
-
-    @property
-    def nbytes(self) -> int:
-        return int(super().nbytes) + self._mirror_bytes()
 
     def _single(self) -> QuantizedMarginRotatingKVCache:
         return QuantizedMarginRotatingKVCache(self.max_size, self.quantization)
