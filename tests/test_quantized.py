@@ -5,6 +5,7 @@ quantized cache mlx-lm lacks against the single one it has; the pool's arithmeti
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,12 @@ from mlx_actors.scheduler import (
     BlockQuantizedKVCache,
     KVQuantization,
     ModelCacheSpec,
+    _quantized,
 )
-from mlx_actors.scheduler import _quantized_window as quantized_window
-from mlx_actors.scheduler._quantized_window import (
+from mlx_actors.scheduler import _dequantized as dequantized
+from mlx_actors.scheduler._dequantized import (
+    DequantizedBatchKVCache,
+    DequantizedKVCache,
     QuantizedMarginBatchRotatingKVCache,
     QuantizedMarginRotatingKVCache,
 )
@@ -103,6 +107,8 @@ async def test_evicted_and_restarted_quantized_caches_come_back_exactly(
         reply = await agent.ask("After the restart?")
         assert list(reply.tokens) == quantized_reference(wide, agent, 4, 40)
         assert reply.usage.cached_tokens > 0  # from the quantized blocks on disk
+    record = json.loads((tmp_path / "runtime.json").read_text())
+    assert record["kv_cache"] == {"bits": 4, "group_size": 32}  # the device's path not in it
     with pytest.raises(ModelMismatchError, match="quantized as 4-bit"):
         async with Runtime(wide.path, **{**options, "kv_bits": 8}):
             pass
@@ -162,21 +168,37 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
     return load(write_random_model(path, config, seed=11, init_scale=1.0))
 
 
-class RoundTripRotatingKVCache(RotatingKVCache):  # type: ignore[misc]
-    """mlx-lm's ``RotatingKVCache`` fed each key and value after ``mx.quantize`` and
-    ``mx.dequantize``: the reference for a quantized sliding-window layer (mlx-lm has no
-    quantized rotating cache: ``RotatingKVCache.to_quantized`` raises)."""
+class _RoundTrip:
+    """Feeds the parent cache each key and value after ``mx.quantize`` and
+    ``mx.dequantize`` (groups of 32)."""
 
-    def __init__(self, max_size: int, bits: int) -> None:
-        super().__init__(max_size)
-        self.round_bits = bits
+    round_bits: int
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
         def round_trip(x: mx.array) -> mx.array:
             data, scales, biases = mx.quantize(x, group_size=32, bits=self.round_bits)
             return mx.dequantize(data, scales, biases, group_size=32, bits=self.round_bits)
 
-        return super().update_and_fetch(round_trip(keys), round_trip(values))
+        return super().update_and_fetch(round_trip(keys), round_trip(values))  # type: ignore[misc]
+
+
+class RoundTripRotatingKVCache(_RoundTrip, RotatingKVCache):  # type: ignore[misc]
+    """mlx-lm's ``RotatingKVCache`` fed round-tripped keys and values: the reference for a
+    quantized sliding-window layer (mlx-lm has no quantized rotating cache:
+    ``RotatingKVCache.to_quantized`` raises)."""
+
+    def __init__(self, max_size: int, bits: int) -> None:
+        super().__init__(max_size)
+        self.round_bits = bits
+
+
+class RoundTripKVCache(_RoundTrip, KVCache):  # type: ignore[misc]
+    """mlx-lm's ``KVCache`` fed round-tripped keys and values: the reference for a
+    quantized global layer that attends over its keys and values dequantized."""
+
+    def __init__(self, bits: int) -> None:
+        super().__init__()
+        self.round_bits = bits
 
 
 def mixed_cache(model: Any, bits: int) -> list[Any]:
@@ -236,6 +258,12 @@ async def test_gemma_with_quantized_global_layers_equals_mlx_lm(
             pass
 
 
+def expected(packed: mx.array, dtype: mx.Dtype, q: KVQuantization) -> mx.array:
+    """What a packed array of heads of 64 holds, dequantized."""
+    data, scales, biases = _quantized.unpack(packed, 64, dtype, q)
+    return mx.dequantize(data, scales, biases, group_size=q.group_size, bits=q.bits)
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_a_quantized_window_hands_out_its_ring_dequantized(dtype: mx.Dtype) -> None:
     """Single and batched, through a prefill, decoding past the window, a merge and an
@@ -243,19 +271,18 @@ def test_a_quantized_window_hands_out_its_ring_dequantized(dtype: mx.Dtype) -> N
     and a decoding step dequantizes only its new token (the copy kept in step)."""
     q = KVQuantization(4, 32)
     calls: list[int] = []
-    real = quantized_window.dequantize_packed
+    real = dequantized.dequantize_triple
 
-    def counting(packed: mx.array, dim: int, dt: mx.Dtype, qq: KVQuantization) -> mx.array:
-        calls.append(int(packed.shape[2]))
-        return real(packed, dim, dt, qq)
+    def counting(triple: Any, qq: KVQuantization) -> mx.array:
+        calls.append(int(triple[0].shape[2]))
+        return real(triple, qq)
 
     def check(cache: Any, got: tuple[mx.array, mx.array]) -> None:
         held = int(got[0].shape[2])
         for ring, out in zip((cache.keys, cache.values), got, strict=True):
-            want = real(ring[..., :held, :], 64, dtype, q)
-            assert mx.array_equal(out, want).item()
+            assert mx.array_equal(out, expected(ring[..., :held, :], dtype, q)).item()
 
-    quantized_window.dequantize_packed = counting  # type: ignore[assignment]
+    dequantized.dequantize_triple = counting  # type: ignore[assignment]
     try:
         caches = []
         for n in (5, 30):
@@ -280,7 +307,7 @@ def test_a_quantized_window_hands_out_its_ring_dequantized(dtype: mx.Dtype) -> N
         x = mx.random.normal((1, 2, 1, 64)).astype(dtype)
         check(single, single.update_and_fetch(x, x))
     finally:
-        quantized_window.dequantize_packed = real  # type: ignore[assignment]
+        dequantized.dequantize_triple = real  # type: ignore[assignment]
 
 
 @pytest.fixture(scope="module")
@@ -348,3 +375,118 @@ async def test_layers_of_different_sizes_share_the_pool_by_their_bytes(elm: Load
         assert stats.pool.used_blocks * stats.pool.block_bytes == 2 * sum(
             layer.block_bytes for layer in elm.spec.layers
         )
+
+
+def test_a_dequantized_global_cache_hands_out_its_arrays_dequantized() -> None:
+    """Single and batched, through a prefill, growth past a step, merges (one of empty
+    caches), an extract, a filter and an extend: what the cache hands the model is what
+    it holds dequantized, bit for bit, and a decoding step dequantizes one token."""
+    q = KVQuantization(4, 32, dequantize=True)
+    calls: list[int] = []
+    real = dequantized.dequantize_triple
+
+    def counting(triple: Any, qq: KVQuantization) -> mx.array:
+        calls.append(int(triple[0].shape[2]))
+        return real(triple, qq)
+
+    def step(cache: Any, rows: int = 1, n: int = 1) -> None:
+        x = mx.random.normal((rows, 2, n, 64)).astype(mx.bfloat16)
+        got = cache.update_and_fetch(x, -x)
+        held = int(got[0].shape[2])
+        assert held == (cache.offset if isinstance(cache, DequantizedKVCache) else cache._idx)
+        for packed, out in zip((cache.keys, cache.values), got, strict=True):
+            assert mx.array_equal(out, expected(packed[..., :held, :], mx.bfloat16, q)).item()
+
+    dequantized.dequantize_triple = counting  # type: ignore[assignment]
+    try:
+        caches = [DequantizedKVCache(q) for _ in range(3)]
+        step(caches[0], n=250)
+        step(caches[1], n=20)
+        calls.clear()
+        for _ in range(10):  # past the first step of 256: the arrays grow once
+            step(caches[0])
+        assert calls.count(256) == 0 and calls.count(512) == 2 and calls.count(1) == 18
+        empty = caches[2].merge([DequantizedKVCache(q), DequantizedKVCache(q)])
+        assert isinstance(empty, DequantizedBatchKVCache) and empty.quantization == q
+        step(empty, rows=2, n=3)
+        batch = caches[0].merge(caches)
+        assert isinstance(batch, DequantizedBatchKVCache)
+        for _ in range(5):
+            step(batch, rows=3)
+        batch.filter([0, 1])
+        batch.extend(empty)
+        calls.clear()
+        step(batch, rows=4)  # rebuilt whole after the moves, then one token a step
+        step(batch, rows=4)
+        assert calls[2:] == [1, 1]
+        single = batch.extract(1)
+        assert isinstance(single, DequantizedKVCache) and single.offset == 20 + 7
+        step(single)
+    finally:
+        dequantized.dequantize_triple = real  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.anyio
+async def test_global_layers_attend_dequantized_where_quantized_attention_cannot_run(
+    wide: Loaded,
+    gemma: Loaded,
+    family: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where mlx-lm's quantized attention cannot run (MLX's CUDA backend), global layers
+    hand the model their keys and values dequantized. Made to take that path here:
+    replies equal mlx-lm's through caches fed every key and value after ``mx.quantize``
+    and ``mx.dequantize``, alone, batched, evicted and after a restart."""
+    monkeypatch.setattr(_quantized, "quantized_attention_runs", lambda: False)
+    model = wide if family == "llama" else gemma
+    eos = model.tokenizer.eos_token_ids if family == "gemma3" else EOS
+
+    def round_trip_cache() -> list[Any]:
+        return [
+            RoundTripKVCache(4) if type(c) is KVCache else RoundTripRotatingKVCache(c.max_size, 4)
+            for c in make_prompt_cache(model.model)
+        ]
+
+    chats: dict[str, ReferenceChat] = {}
+
+    async def converse(agent: Any, texts: list[str]) -> None:
+        chat = chats.setdefault(agent.name, ReferenceChat(model.model, eos, round_trip_cache))
+        for text in texts:
+            reply = await agent.ask(text)
+            prompt = render(model.tokenizer, list(agent.history)[:-1])
+            assert list(reply.tokens) == chat.turn(prompt, 24), (agent.name, text)
+
+    trace = tmp_path / "trace.jsonl"
+    options: dict[str, Any] = dict(
+        pool_blocks=40 if family == "gemma3" else 14,
+        log_level="off",
+        kv_bits=4,
+        kv_group_size=32,
+        state_dir=tmp_path / "state",
+    )
+    turns = ["Hello there, how are you today?", "Tell me about the sea." + " waves" * 30]
+    async with Runtime(model.path, trace=trace, **options) as rt:
+        agents = [
+            await rt.spawn(f"a{i}", system=f"You are agent {i}.", max_tokens=24) for i in range(4)
+        ]
+        await converse(agents[0], turns)  # alone
+        await gather(*(converse(a, turns) for a in agents[1:]))  # batched
+        stats = await rt.stats()
+        assert stats.max_batch_size >= 2 and stats.evictions > 0 and stats.restores > 0
+    started = [
+        e
+        for e in map(json.loads, trace.read_text().splitlines())
+        if e["event"] == "scheduler.started"
+    ]
+    assert started[0]["kv_bits"] == 4 and started[0]["kv_attention"] == "dequantized"
+    async with Runtime(model.path, **options) as rt:
+        await converse(rt.agent("a1"), ["After the restart?"])
+
+
+def test_quantized_attention_is_kept_where_it_runs() -> None:
+    """On the CPU (and Apple silicon) global layers keep mlx-lm's quantized attention."""
+    assert _quantized.quantized_attention_runs()
+    assert KVQuantization(8).resolved().dequantize is False
+    assert KVQuantization(8, dequantize=True).resolved().dequantize is True

@@ -238,7 +238,12 @@ class Runtime:
             loaded = load_model(self._model, dequantize=self._dequantize)
         self.model_path = loaded.path
         if self._state is not None:
-            kv = None if self._kv is None else attrs.asdict(self._kv)
+            # What the blocks hold; how attention reads them is the device's affair.
+            kv = (
+                None
+                if self._kv is None
+                else {"bits": self._kv.bits, "group_size": self._kv.group_size}
+            )
             self._state.claim(loaded.path, kv)
         return loaded.model, loaded.tokenizer
 

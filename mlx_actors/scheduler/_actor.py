@@ -532,6 +532,7 @@ class Scheduler:
             block_bytes=spec.block_bytes,
             pool_bytes=pool.budget_bytes,
             max_batch_size=self._max_batch_size,
+            **_kv_fields(spec.quantization),
         )
         return engine
 
@@ -589,3 +590,12 @@ def _max_text_chars(tokenizer: Any, spec: ModelCacheSpec, pool_units: int) -> in
     elif spec.context_length is not None:
         tokens = spec.context_length
     return max(tokens, 1) * max(longest, 1)
+
+
+def _kv_fields(q: KVQuantization | None) -> dict[str, Any]:
+    """What the start log says of a quantized cache: its bits, and whether global layers
+    attend through mlx-lm's quantized attention or over dequantized keys and values
+    (where that cannot run: MLX's CUDA backend)."""
+    if q is None:
+        return {}
+    return {"kv_bits": q.bits, "kv_attention": "dequantized" if q.dequantize else "quantized"}

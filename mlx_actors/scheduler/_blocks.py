@@ -26,12 +26,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..errors import CacheReconstructionError
+from ._dequantized import DequantizedKVCache, QuantizedMarginRotatingKVCache
 from ._gather import gather
 from ._margin import MarginRotatingKVCache
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefix import Node, Piece, PrefixIndex, cover, runs_of
 from ._quantized import BlockQuantizedKVCache, pack, unpack
-from ._quantized_window import QuantizedMarginRotatingKVCache
 from ._spec import (
     BLOCK_SIZE,
     SLIDING_MARGIN,
@@ -161,7 +161,7 @@ def to_cache(
             extra,
         )
         q = layer.quantization
-        if q is not None and layer.kind is LayerKind.GLOBAL:
+        if q is not None and not q.dequantize and layer.kind is LayerKind.GLOBAL:
             cache: Any = BlockQuantizedKVCache(group_size=q.group_size, bits=q.bits)
             cache.keys = unpack(keys, layer.key_dim, layer.dtype, q)
             cache.values = unpack(values, layer.value_dim, layer.dtype, q)
@@ -169,7 +169,7 @@ def to_cache(
             caches.append(cache)
             continue
         if layer.kind is LayerKind.GLOBAL:
-            cache = KVCache()
+            cache = global_cache(layer)  # a dequantized one keeps the packed arrays
         else:
             cache = window_cache(layer)  # a quantized one keeps the blocks' packed arrays
             cache._idx = keep - lo
@@ -179,20 +179,24 @@ def to_cache(
 
 
 def make_cache(spec: ModelCacheSpec) -> list[Any]:
-    """An empty per-layer cache for a model with ``spec``: mlx-lm's ``KVCache`` for
-    global layers (with ``kv_bits``, :class:`~._quantized.BlockQuantizedKVCache`), and
-    :class:`~._margin.MarginRotatingKVCache` for sliding-window ones (with ``kv_bits``,
-    its quantized form)."""
-    caches: list[Any] = []
-    for layer in spec.layers:
-        q = layer.quantization
-        if layer.kind is LayerKind.SLIDING:
-            caches.append(window_cache(layer))
-        elif q is not None:
-            caches.append(BlockQuantizedKVCache(group_size=q.group_size, bits=q.bits))
-        else:
-            caches.append(KVCache())
-    return caches
+    """An empty per-layer cache for a model with ``spec``: :func:`global_cache` for
+    global layers and :func:`window_cache` for sliding-window ones."""
+    return [
+        window_cache(layer) if layer.kind is LayerKind.SLIDING else global_cache(layer)
+        for layer in spec.layers
+    ]
+
+
+def global_cache(layer: LayerSpec) -> Any:
+    """An empty cache for a global layer: mlx-lm's ``KVCache``; with ``kv_bits``,
+    :class:`~._quantized.BlockQuantizedKVCache` (mlx-lm's quantized attention), or
+    :class:`~._dequantized.DequantizedKVCache` where that cannot run."""
+    q = layer.quantization
+    if q is None:
+        return KVCache()
+    if q.dequantize:
+        return DequantizedKVCache(q)
+    return BlockQuantizedKVCache(group_size=q.group_size, bits=q.bits)
 
 
 def window_cache(layer: LayerSpec) -> MarginRotatingKVCache:

@@ -13,6 +13,7 @@ from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ._blocks import make_cache, to_cache
+from ._dequantized import DequantizedKVCache
 from ._margin import MarginRotatingKVCache
 from ._pool import KVBlock, Reservation
 from ._prefix import Source
@@ -124,7 +125,7 @@ def snapshot(cache: list[Any]) -> list[Any]:
             copy = BlockQuantizedKVCache(group_size=c.group_size, bits=c.bits)
             copy.keys, copy.values = sliced(c.keys, 0, c.offset), sliced(c.values, 0, c.offset)
         else:
-            copy = KVCache()
+            copy = c.empty_like() if isinstance(c, DequantizedKVCache) else KVCache()
             copy.keys, copy.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
         copy.offset = c.offset
         out.append(copy)

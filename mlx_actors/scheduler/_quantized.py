@@ -32,13 +32,35 @@ GROUP_SIZES = (32, 64, 128)
 Triple = tuple[mx.array, mx.array, mx.array]
 
 
+def quantized_attention_runs() -> bool:
+    """Whether mlx-lm's quantized attention (``mx.quantized_matmul`` on the cache's
+    triple) runs on the default device. Not on MLX's CUDA backend (0.32.4, measured on an
+    H100): for a batch of quantized matrices broadcast over query heads (grouped-query
+    attention) it raises "No implementation for problem shape", and for the others it
+    returns wrong values (differences of 0.06 to 0.4, and NaN, against dequantizing
+    first). There global layers attend over their keys and values dequantized
+    (:mod:`._dequantized`), as sliding-window layers always do."""
+    return not (mx.default_device() == mx.gpu and mx.cuda.is_available())
+
+
 @attrs.frozen
 class KVQuantization:
     """How the KV cache is quantized: ``bits`` per value, scales and biases per
-    ``group_size`` values along a head."""
+    ``group_size`` values along a head. ``dequantize``: global layers hand the model
+    their keys and values dequantized (:mod:`._dequantized`) instead of the quantized
+    triple mlx-lm's quantized attention takes; ``None`` until :meth:`resolved` decides it
+    for the default device. Blocks hold the same either way."""
 
     bits: int
     group_size: int = 64
+    dequantize: bool | None = None
+
+    def resolved(self) -> KVQuantization:
+        """This, with ``dequantize`` decided where it is ``None``: only where mlx-lm's
+        quantized attention cannot run (:func:`quantized_attention_runs`)."""
+        if self.dequantize is not None:
+            return self
+        return attrs.evolve(self, dequantize=not quantized_attention_runs())
 
     def __attrs_post_init__(self) -> None:
         if type(self.bits) is not int or self.bits not in BITS:

@@ -142,8 +142,7 @@ class ModelCacheSpec:
 
     @property
     def quantization(self) -> KVQuantization | None:
-        """How the cache is quantized (its global layers; sliding-window layers stay
-        unquantized), if it is."""
+        """How the cache is quantized, if it is (every layer alike)."""
         return next((layer.quantization for layer in self.layers if layer.quantization), None)
 
     @classmethod
@@ -154,7 +153,9 @@ class ModelCacheSpec:
         with ``quantization``, its blocks hold quantized keys and values.
 
         Sliding-window layers (Gemma 3) are quantized alike, in the caches of
-        :mod:`._quantized_window` (mlx-lm has no quantized rotating cache).
+        :mod:`._dequantized` (mlx-lm has no quantized rotating cache). Where
+        ``quantization.dequantize`` is ``None``, it is decided for the default device
+        (:meth:`~._quantized.KVQuantization.resolved`).
 
         Raises:
             UnsupportedModelError: if a layer's cache is neither mlx-lm's ``KVCache``
@@ -162,6 +163,8 @@ class ModelCacheSpec:
                 hybrid models, chunked or quantized caches...).
             InvalidRequestError: the heads cannot be quantized in those groups.
         """
+        if quantization is not None:
+            quantization = quantization.resolved()
         cache = make_prompt_cache(model)
         for i, c in enumerate(cache):
             _check_cache_type(i, c)
