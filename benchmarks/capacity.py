@@ -87,15 +87,6 @@ async def throughput(
         return generated / seconds, [r.tokens for r in replies]
 
 
-def attention(spec: ModelCacheSpec) -> str | None:
-    """How global layers attend: mlx-lm's quantized attention, or over dequantized keys
-    and values where that cannot run (MLX's CUDA backend)."""
-    q = spec.quantization
-    if q is None:
-        return None
-    return "dequantized" if q.dequantize else "quantized"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     model_arguments(parser)
@@ -120,7 +111,7 @@ def main() -> None:
             "blocks_per_agent": spec.blocks_held(args.history),
             "bytes_per_agent": spec.units_held(args.history) * spec.unit_bytes,
             "block_bytes": spec.block_bytes,
-            "kv_attention": attention(spec),
+            "kv_attention": spec.quantization and spec.quantization.attention,
             **anyio.run(residents, path, bits, args),
         }
     for batch in args.batch:

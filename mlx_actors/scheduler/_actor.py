@@ -598,4 +598,4 @@ def _kv_fields(q: KVQuantization | None) -> dict[str, Any]:
     (where that cannot run: MLX's CUDA backend)."""
     if q is None:
         return {}
-    return {"kv_bits": q.bits, "kv_attention": "dequantized" if q.dequantize else "quantized"}
+    return {"kv_bits": q.bits, "kv_attention": q.attention}

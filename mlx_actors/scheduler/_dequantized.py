@@ -20,8 +20,8 @@ groups along the head) and gives the model what the cache holds, dequantized. Th
 as mlx-lm's cache of the layer fed each key and value after ``mx.quantize`` and
 ``mx.dequantize``, which the tests use as the reference. While decoding, a dequantized
 copy of what the cache holds is kept in step with it, so that a step dequantizes one
-token, not the history (the copy lives in the batch's working cache only; blocks hold
-the packed form).
+token, not the history (the copy lives in working caches only, the batch's and the one
+the engine keeps for an agent's next turn; blocks hold the packed form).
 """
 
 from __future__ import annotations

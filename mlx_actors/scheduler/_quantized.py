@@ -62,6 +62,12 @@ class KVQuantization:
             return self
         return attrs.evolve(self, dequantize=not quantized_attention_runs())
 
+    @property
+    def attention(self) -> str:
+        """How global layers attend, as the start log and the benchmarks say it:
+        ``"quantized"`` (mlx-lm's quantized attention) or ``"dequantized"``."""
+        return "dequantized" if self.dequantize else "quantized"
+
     def __attrs_post_init__(self) -> None:
         if type(self.bits) is not int or self.bits not in BITS:
             raise InvalidRequestError(f"kv_bits must be one of {BITS} (or None), got {self.bits!r}")
