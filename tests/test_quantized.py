@@ -295,8 +295,8 @@ def test_a_quantized_window_hands_out_its_ring_dequantized(dtype: mx.Dtype) -> N
             x = mx.random.normal((1, 2, 1, 64)).astype(dtype)
             check(caches[0], caches[0].update_and_fetch(x, -x))
         # The first step grows the ring to the window (all of it dequantized once); then
-        # one token at a time, keys and values.
-        assert calls[:2] == [24, 24] and set(calls[2:]) == {1}
+        # only its new token (quantize_step), never the whole ring again.
+        assert calls == [24, 24]  # never the whole ring again
         batch = caches[0].merge(caches)
         assert isinstance(batch, QuantizedMarginBatchRotatingKVCache)
         for _ in range(30):
@@ -405,7 +405,7 @@ def test_a_dequantized_global_cache_hands_out_its_arrays_dequantized() -> None:
         calls.clear()
         for _ in range(10):  # past the first step of 256: the arrays grow once
             step(caches[0])
-        assert calls.count(256) == 0 and calls.count(512) == 2 and calls.count(1) == 18
+        assert calls == [512, 512]
         empty = caches[2].merge([DequantizedKVCache(q), DequantizedKVCache(q)])
         assert isinstance(empty, DequantizedBatchKVCache) and empty.quantization == q
         step(empty, rows=2, n=3)
@@ -418,7 +418,7 @@ def test_a_dequantized_global_cache_hands_out_its_arrays_dequantized() -> None:
         calls.clear()
         step(batch, rows=4)  # rebuilt whole after the moves, then one token a step
         step(batch, rows=4)
-        assert calls[2:] == [1, 1]
+        assert len(calls) == 2
         single = batch.extract(1)
         assert isinstance(single, DequantizedKVCache) and single.offset == 20 + 7
         step(single)

@@ -21,7 +21,9 @@ as mlx-lm's cache of the layer fed each key and value after ``mx.quantize`` and
 ``mx.dequantize``, which the tests use as the reference. While decoding, a dequantized
 copy of what the cache holds is kept in step with it, so that a step dequantizes one
 token, not the history (the copy lives in working caches only, the batch's and the one
-the engine keeps for an agent's next turn; blocks hold the packed form).
+the engine keeps for an agent's next turn; blocks hold the packed form). A step's token
+is quantized, packed and dequantized by :func:`~._quantize_step.quantize_step` (one
+kernel launch for keys and values on a CUDA GPU).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ._margin import MarginBatchRotatingKVCache, MarginRotatingKVCache
+from ._quantize_step import quantize_step
 from ._quantized import KVQuantization, Triple, pack, unpack
 
 
@@ -69,19 +72,22 @@ class _Dequantized:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         q = self.quantization
         dk, dv, dtype = int(keys.shape[-1]), int(values.shape[-1]), keys.dtype
-        tk, tv = quantize(keys, q), quantize(values, q)
+        n = int(keys.shape[2])
+        if n == 1:  # a decoding step: its token dequantized, in case the mirror takes it
+            pk, pv, one_k, one_v = quantize_step(keys, values, q)
+        else:
+            pk, pv = pack(quantize(keys, q)), pack(quantize(values, q))
         before = self.keys
         shape = None if before is None else tuple(before.shape)
         mirror = self._mirror if before is not None and before is self._source else None
-        k, _ = super().update_and_fetch(pack(tk), pack(tv))  # type: ignore[misc]
+        k, _ = super().update_and_fetch(pk, pv)  # type: ignore[misc]
         assert self.keys is not None and self.values is not None
-        n = int(keys.shape[2])
         if mirror is not None and n == 1 and tuple(self.keys.shape) == shape:
             # The update wrote one slot in place (no growth, no trim).
             mk, mv = mirror
             slot = self._end() - n
-            mk[..., slot : slot + n, :] = dequantize_triple(tk, q)  # as the packed copy
-            mv[..., slot : slot + n, :] = dequantize_triple(tv, q)
+            mk[..., slot : slot + n, :] = one_k  # as the packed copy
+            mv[..., slot : slot + n, :] = one_v
         else:
             mk = dequantize_packed(self.keys, dk, dtype, q)
             mv = dequantize_packed(self.values, dv, dtype, q)
