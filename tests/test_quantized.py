@@ -271,18 +271,18 @@ def test_a_quantized_window_hands_out_its_ring_dequantized(dtype: mx.Dtype) -> N
     and a decoding step dequantizes only its new token (the copy kept in step)."""
     q = KVQuantization(4, 32)
     calls: list[int] = []
-    real = dequantized.dequantize_triple
+    real = dequantized.dequantize_pair
 
-    def counting(triple: Any, qq: KVQuantization) -> mx.array:
-        calls.append(int(triple[0].shape[2]))
-        return real(triple, qq)
+    def counting(keys: mx.array, *args: Any) -> tuple[mx.array, mx.array]:
+        calls.append(int(keys.shape[2]))
+        return real(keys, *args)
 
     def check(cache: Any, got: tuple[mx.array, mx.array]) -> None:
         held = int(got[0].shape[2])
         for ring, out in zip((cache.keys, cache.values), got, strict=True):
             assert mx.array_equal(out, expected(ring[..., :held, :], dtype, q)).item()
 
-    dequantized.dequantize_triple = counting  # type: ignore[assignment]
+    dequantized.dequantize_pair = counting  # type: ignore[assignment]
     try:
         caches = []
         for n in (5, 30):
@@ -295,8 +295,8 @@ def test_a_quantized_window_hands_out_its_ring_dequantized(dtype: mx.Dtype) -> N
             x = mx.random.normal((1, 2, 1, 64)).astype(dtype)
             check(caches[0], caches[0].update_and_fetch(x, -x))
         # The first step grows the ring to the window (all of it dequantized once); then
-        # only its new token (quantize_step), never the whole ring again.
-        assert calls == [24, 24]  # never the whole ring again
+        # only its new token (quantize_step).
+        assert calls == [24]  # keys and values together, never the whole ring again
         batch = caches[0].merge(caches)
         assert isinstance(batch, QuantizedMarginBatchRotatingKVCache)
         for _ in range(30):
@@ -307,7 +307,7 @@ def test_a_quantized_window_hands_out_its_ring_dequantized(dtype: mx.Dtype) -> N
         x = mx.random.normal((1, 2, 1, 64)).astype(dtype)
         check(single, single.update_and_fetch(x, x))
     finally:
-        dequantized.dequantize_triple = real  # type: ignore[assignment]
+        dequantized.dequantize_pair = real  # type: ignore[assignment]
 
 
 @pytest.fixture(scope="module")
@@ -383,11 +383,11 @@ def test_a_dequantized_global_cache_hands_out_its_arrays_dequantized() -> None:
     it holds dequantized, bit for bit, and a decoding step dequantizes one token."""
     q = KVQuantization(4, 32, dequantize=True)
     calls: list[int] = []
-    real = dequantized.dequantize_triple
+    real = dequantized.dequantize_pair
 
-    def counting(triple: Any, qq: KVQuantization) -> mx.array:
-        calls.append(int(triple[0].shape[2]))
-        return real(triple, qq)
+    def counting(keys: mx.array, *args: Any) -> tuple[mx.array, mx.array]:
+        calls.append(int(keys.shape[2]))
+        return real(keys, *args)
 
     def step(cache: Any, rows: int = 1, n: int = 1) -> None:
         x = mx.random.normal((rows, 2, n, 64)).astype(mx.bfloat16)
@@ -397,7 +397,7 @@ def test_a_dequantized_global_cache_hands_out_its_arrays_dequantized() -> None:
         for packed, out in zip((cache.keys, cache.values), got, strict=True):
             assert mx.array_equal(out, expected(packed[..., :held, :], mx.bfloat16, q)).item()
 
-    dequantized.dequantize_triple = counting  # type: ignore[assignment]
+    dequantized.dequantize_pair = counting  # type: ignore[assignment]
     try:
         caches = [DequantizedKVCache(q) for _ in range(3)]
         step(caches[0], n=250)
@@ -405,7 +405,7 @@ def test_a_dequantized_global_cache_hands_out_its_arrays_dequantized() -> None:
         calls.clear()
         for _ in range(10):  # past the first step of 256: the arrays grow once
             step(caches[0])
-        assert calls == [512, 512]
+        assert calls == [512]
         empty = caches[2].merge([DequantizedKVCache(q), DequantizedKVCache(q)])
         assert isinstance(empty, DequantizedBatchKVCache) and empty.quantization == q
         step(empty, rows=2, n=3)
@@ -418,12 +418,12 @@ def test_a_dequantized_global_cache_hands_out_its_arrays_dequantized() -> None:
         calls.clear()
         step(batch, rows=4)  # rebuilt whole after the moves, then one token a step
         step(batch, rows=4)
-        assert len(calls) == 2
+        assert len(calls) == 1
         single = batch.extract(1)
         assert isinstance(single, DequantizedKVCache) and single.offset == 20 + 7
         step(single)
     finally:
-        dequantized.dequantize_triple = real  # type: ignore[assignment]
+        dequantized.dequantize_pair = real  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

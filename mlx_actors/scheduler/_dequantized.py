@@ -21,9 +21,9 @@ as mlx-lm's cache of the layer fed each key and value after ``mx.quantize`` and
 ``mx.dequantize``, which the tests use as the reference. While decoding, a dequantized
 copy of what the cache holds is kept in step with it, so that a step dequantizes one
 token, not the history (the copy lives in working caches only, the batch's and the one
-the engine keeps for an agent's next turn; blocks hold the packed form). A step's token
-is quantized, packed and dequantized by :func:`~._quantize_step.quantize_step` (one
-kernel launch for keys and values on a CUDA GPU).
+the engine keeps for an agent's next turn; blocks hold the packed form). The
+conversions are :mod:`._quantize_kernels`' (one kernel launch for keys and values on a
+CUDA GPU).
 """
 
 from __future__ import annotations
@@ -35,23 +35,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ._margin import MarginBatchRotatingKVCache, MarginRotatingKVCache
-from ._quantize_step import quantize_step
-from ._quantized import KVQuantization, Triple, pack, unpack
-
-
-def quantize(x: mx.array, q: KVQuantization) -> Triple:
-    """``x`` quantized as mlx-lm's ``QuantizedKVCache`` does."""
-    return mx.quantize(x, group_size=q.group_size, bits=q.bits)
-
-
-def dequantize_triple(triple: Triple, q: KVQuantization) -> mx.array:
-    """What a quantized triple holds, dequantized."""
-    return mx.dequantize(*triple, group_size=q.group_size, bits=q.bits)
-
-
-def dequantize_packed(packed: mx.array, dim: int, dtype: mx.Dtype, q: KVQuantization) -> mx.array:
-    """What a packed array holds, dequantized to heads of ``dim`` in ``dtype``."""
-    return dequantize_triple(unpack(packed, dim, dtype, q), q)
+from ._quantize_kernels import dequantize_pair, quantize_step
+from ._quantized import KVQuantization
 
 
 class _Dequantized:
@@ -73,10 +58,7 @@ class _Dequantized:
         q = self.quantization
         dk, dv, dtype = int(keys.shape[-1]), int(values.shape[-1]), keys.dtype
         n = int(keys.shape[2])
-        if n == 1:  # a decoding step: its token dequantized, in case the mirror takes it
-            pk, pv, one_k, one_v = quantize_step(keys, values, q)
-        else:
-            pk, pv = pack(quantize(keys, q)), pack(quantize(values, q))
+        pk, pv, new_k, new_v = quantize_step(keys, values, q)
         before = self.keys
         shape = None if before is None else tuple(before.shape)
         mirror = self._mirror if before is not None and before is self._source else None
@@ -86,11 +68,10 @@ class _Dequantized:
             # The update wrote one slot in place (no growth, no trim).
             mk, mv = mirror
             slot = self._end() - n
-            mk[..., slot : slot + n, :] = one_k  # as the packed copy
-            mv[..., slot : slot + n, :] = one_v
+            mk[..., slot : slot + n, :] = new_k  # as the packed copy
+            mv[..., slot : slot + n, :] = new_v
         else:
-            mk = dequantize_packed(self.keys, dk, dtype, q)
-            mv = dequantize_packed(self.values, dv, dtype, q)
+            mk, mv = dequantize_pair(self.keys, self.values, dk, dv, dtype, q)
         self._mirror, self._source = (mk, mv), self.keys
         held = int(k.shape[2])  # the parent hands out the first `held` slots
         return mk[..., :held, :], mv[..., :held, :]

@@ -1,15 +1,17 @@
-"""A decoding step's cache work with ``kv_bits`` on the dequantized path, and the CUDA
-kernel that does a step's quantizing (:mod:`mlx_actors.scheduler._quantize_step`).
+"""The conversions of ``kv_bits``' dequantized path: the CUDA kernels of
+:mod:`mlx_actors.scheduler._quantize_kernels` against MLX's own ops, bit for bit and in time.
 
-First, where the kernel can run (a CUDA GPU), it checks the kernel bit for bit against
-MLX's ops (``mx.quantize``, the packing copy, ``mx.dequantize``) over dtypes, bits, group
-sizes, head sizes and batch shapes, on random values and on rows that are all negative,
-all zero, constant or large; any difference fails the script. Then it times one step's
-cache writes over ``--layers`` layers (what each layer's cache does with its new token,
-evaluated together as a step is): unquantized (two writes), quantized with MLX's ops,
-and quantized with the kernel where it runs. Prints JSON: microseconds per step.
+First, where the kernels can run (a CUDA GPU), it checks them bit for bit against MLX's
+ops (``mx.quantize``, the packing copy, ``mx.dequantize``; unpacking and
+``mx.dequantize``) over dtypes, bits, group sizes, head sizes and shapes (one token and
+several), on random values and on rows that are all negative, all zero, constant or
+large; any difference fails the script. Then it times, over ``--layers`` layers
+evaluated together: a decoding step's cache work (what each layer's cache does with its
+new token: unquantized, two writes; quantized, with MLX's ops and with the kernel), and
+dequantizing a whole 2,048-token cache of ``--batch`` rows (what a cache does after a
+prefill or a move through the batch). Prints JSON: microseconds.
 
-    python benchmarks/quantize_step.py [--layers 16] [--batch 8 32] [--heads 8] [--dim 64]
+    python benchmarks/quantize_kernels.py [--layers 16] [--batch 8 32] [--heads 8] [--dim 64]
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from mlx_actors.scheduler._quantize_step import _launch, kernel_available, quantize_step
+from mlx_actors.scheduler._quantize_kernels import (
+    dequantize_packed,
+    dequantize_pair,
+    kernel_available,
+    quantize_step,
+)
 from mlx_actors.scheduler._quantized import KVQuantization, pack
 
 
@@ -58,27 +65,40 @@ def bits_of(a: mx.array) -> mx.array:
 
 
 def check() -> int:
-    """Kernel against MLX's ops; returns how many cases were compared."""
+    """The kernels against MLX's ops; returns how many cases were compared."""
     cases = 0
-    for dtype, bits, gs, (dk, dv), (b, h) in itertools.product(
+    for dtype, bits, gs, (dk, dv), (b, h, n) in itertools.product(
         (mx.bfloat16, mx.float16, mx.float32),
         (4, 8),
         (32, 64, 128),
-        ((64, 64), (128, 128), (256, 256), (128, 64)),
-        ((1, 1), (8, 8), (33, 4)),
+        ((64, 64), (128, 128), (256, 128)),
+        ((1, 1, 1), (8, 8, 1), (33, 4, 1), (2, 8, 37)),
     ):
         if dk % gs or dv % gs:
             continue
         q = KVQuantization(bits, gs)
-        for k, v in zip(inputs((b, h, 1, dk), dtype), inputs((b, h, 1, dv), dtype)[::-1]):
-            got = _launch(k, v, q)
+        for k, v in zip(inputs((b, h, n, dk), dtype), inputs((b, h, n, dv), dtype)[::-1]):
             want = with_ops(k, v, q)
-            for name, g, w in zip(("packed keys", "packed values", "keys", "values"), got, want):
+            got = [*quantize_step(k, v, q)]
+            got += dequantize_pair(want[0], want[1], dk, dv, dtype, q)
+            want += [
+                dequantize_packed(want[0], dk, dtype, q),
+                dequantize_packed(want[1], dv, dtype, q),
+            ]
+            names = (
+                "packed keys",
+                "packed values",
+                "keys",
+                "values",
+                "unpacked keys",
+                "unpacked values",
+            )
+            for name, g, w in zip(names, got, want, strict=True):
                 same = g.shape == w.shape and g.dtype == w.dtype
                 if not same or not mx.array_equal(bits_of(g), bits_of(w)).item():
                     raise SystemExit(
                         f"kernel differs from MLX's ops: {name}, {dtype} {bits} bits "
-                        f"groups of {gs}, heads {dk}/{dv}, batch {b}x{h}"
+                        f"groups of {gs}, heads {dk}/{dv}, shape {b}x{h}x{n}"
                     )
             cases += 1
     return cases
@@ -137,6 +157,25 @@ def step_writes(
     return write
 
 
+def rebuild(
+    layers: int, batch: int, heads: int, dim: int, q: KVQuantization, kernel: bool
+) -> Callable[[int], list[mx.array]]:
+    """Each layer's packed 2,048-token keys and values, dequantized whole."""
+    dtype = mx.bfloat16
+    packed = []
+    for _ in range(layers):
+        x = mx.random.normal((batch, heads, 2048, dim)).astype(dtype)
+        packed.append(with_ops(x, -x, q)[:2])
+    mx.eval(packed)
+
+    def run(i: int) -> list[mx.array]:
+        if kernel:
+            return [a for pk, pv in packed for a in dequantize_pair(pk, pv, dim, dim, dtype, q)]
+        return [dequantize_packed(a, dim, dtype, q) for pair in packed for a in pair]
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=16)
@@ -154,7 +193,7 @@ def main() -> None:
         "layers": args.layers,
         "heads": args.heads,
         "dim": args.dim,
-        "us_per_step": [],
+        "us": [],
     }
     rows: list[dict[str, object]] = []
     for batch in args.batch:
@@ -169,9 +208,12 @@ def main() -> None:
                 row[name] = time_step(
                     step_writes(args.layers, batch, args.heads, args.dim, q, fused), args.iters
                 )
+                row[f"{bits}-bit whole cache, {'kernel' if fused else 'mlx ops'}"] = time_step(
+                    rebuild(args.layers, batch, args.heads, args.dim, q, fused), args.iters // 5
+                )
         rows.append({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
         print(json.dumps(rows[-1]), flush=True)
-    result["us_per_step"] = rows
+    result["us"] = rows
     print(json.dumps(result, indent=2))
 
 

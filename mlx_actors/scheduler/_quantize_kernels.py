@@ -1,0 +1,268 @@
+"""The two conversions of the dequantized path (:mod:`._dequantized`): new keys and
+values to the packed form blocks keep (and back, for the model), and a packed cache to
+what the model attends over. On a CUDA GPU each is one kernel launch for keys and values
+together; elsewhere MLX's own ops.
+
+- :func:`quantize_step`: keys and values quantized as ``mx.quantize`` does, packed
+  (:func:`~._quantized.pack`), and dequantized; with MLX's ops five kernels per array
+  (quantize, the packing copy, dequantize; the writes into the cache follow), for every
+  layer and decoding step, so that on a GPU a quantized batch's step is launches more
+  than arithmetic.
+- :func:`dequantize_pair`: packed keys and values dequantized whole, when a cache's
+  arrays were replaced (a prefill, growth, a move through the batch, a rebuild from
+  blocks); with MLX's ops four kernels per array (the three copies that unpack the
+  triple, then dequantize).
+
+The kernels do MLX's CUDA arithmetic (``affine_quantize`` and ``affine_dequantize`` in
+``mlx/backend/cuda/quantized/affine_quantize.cu``, 0.32) bit for bit; quantizing takes a
+thread per group of values instead of a warp (a group's minimum and maximum do not
+depend on the order they are taken in). ``benchmarks/quantize_kernels.py`` checks them
+against MLX's ops on the GPU. No library does this for MLX; the kernels are about 80
+lines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ._quantized import KVQuantization, pack, unpack
+
+#: A step's keys and values packed, then dequantized.
+Step = tuple[mx.array, mx.array, mx.array, mx.array]
+
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+_kernels: dict[str, Any] = {}
+
+
+def quantize_step(keys: mx.array, values: mx.array, q: KVQuantization) -> Step:
+    """``keys`` and ``values`` quantized as ``mx.quantize`` does, packed, and what they
+    hold, dequantized (with MLX's ops, only computed if used)."""
+    dk, dv, dtype = int(keys.shape[-1]), int(values.shape[-1]), keys.dtype
+    if (
+        kernel_available()
+        and values.dtype == dtype
+        and dtype in _FLOATS
+        and keys.shape[:-1] == values.shape[:-1]
+    ):
+        pk, pv, outk, outv = _launch(
+            "quantize",
+            [keys, values],
+            q,
+            dtype,
+            dk,
+            dv,
+            [
+                (*keys.shape[:-1], q.width(dk, dtype)),
+                (*values.shape[:-1], q.width(dv, dtype)),
+                keys.shape,
+                values.shape,
+            ],
+            [mx.uint16, mx.uint16, dtype, dtype],
+        )
+        return pk, pv, outk, outv
+    tk = mx.quantize(keys, group_size=q.group_size, bits=q.bits)
+    tv = mx.quantize(values, group_size=q.group_size, bits=q.bits)
+    return (
+        pack(tk),
+        pack(tv),
+        mx.dequantize(*tk, group_size=q.group_size, bits=q.bits),
+        mx.dequantize(*tv, group_size=q.group_size, bits=q.bits),
+    )
+
+
+def dequantize_pair(
+    keys: mx.array, values: mx.array, dk: int, dv: int, dtype: mx.Dtype, q: KVQuantization
+) -> tuple[mx.array, mx.array]:
+    """What packed ``keys`` and ``values`` hold, dequantized to heads of ``dk`` and ``dv``
+    in ``dtype``."""
+    if kernel_available() and dtype in _FLOATS and keys.shape[:-1] == values.shape[:-1]:
+        outk, outv = _launch(
+            "dequantize",
+            [keys, values],
+            q,
+            dtype,
+            dk,
+            dv,
+            [(*keys.shape[:-1], dk), (*values.shape[:-1], dv)],
+            [dtype, dtype],
+        )
+        return outk, outv
+    return dequantize_packed(keys, dk, dtype, q), dequantize_packed(values, dv, dtype, q)
+
+
+def dequantize_packed(packed: mx.array, dim: int, dtype: mx.Dtype, q: KVQuantization) -> mx.array:
+    """What a packed array holds, dequantized to heads of ``dim`` in ``dtype``, with
+    MLX's ops."""
+    return mx.dequantize(*unpack(packed, dim, dtype, q), group_size=q.group_size, bits=q.bits)
+
+
+def kernel_available() -> bool:
+    """Whether the kernels can run here: MLX's default device is a CUDA GPU."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def _launch(
+    kind: str,
+    inputs: list[mx.array],
+    q: KVQuantization,
+    dtype: mx.Dtype,
+    dk: int,
+    dv: int,
+    shapes: list[Any],
+    dtypes: list[mx.Dtype],
+) -> list[mx.array]:
+    """One launch of ``kind``'s kernel: a thread per group (quantize) or 32-bit word of
+    data (dequantize) of the keys, then of the values."""
+    rows = inputs[0].size // inputs[0].shape[-1]
+    if kind == "quantize":
+        per_row = dk // q.group_size + dv // q.group_size
+    else:
+        per_row = (dk + dv) * q.bits // 32
+    outputs: list[mx.array] = _get_kernel(kind)(
+        inputs=inputs,
+        template=[("T", dtype), ("BITS", q.bits), ("GS", q.group_size), ("DK", dk), ("DV", dv)],
+        grid=(rows * per_row, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=shapes,
+        output_dtypes=dtypes,
+    )
+    return outputs
+
+
+# A packed row (a token's head) is [data as uint32 | scales | biases], as
+# _quantized.pack lays it out; group j of a row is its GS values from j * GS.
+_HEADER = """
+template <typename T, int BITS, int GS>
+struct Packed {
+  static constexpr int per_word = 32 / BITS;
+  int groups, width, j;
+  size_t row;
+  __device__ Packed(int dim, size_t group)
+      : groups(dim / GS),
+        width(dim * BITS / 16 + 2 * (dim / GS) * int(sizeof(T) / 2)),
+        j(group % (dim / GS)),
+        row(group / (dim / GS)) {}
+  // Where the group's data words and the row's scales start, in uint16 values.
+  __device__ size_t data() const { return row * width + j * (GS * BITS / 16); }
+  __device__ size_t scales(int dim) const { return row * width + dim * BITS / 16; }
+};
+
+// affine_quantize's arithmetic, and affine_dequantize's for the value handed out.
+template <typename T, int BITS, int GS>
+__device__ void quantize_group(
+    const T* x, uint16_t* packed, T* out, int dim, size_t group) {
+  constexpr float eps = 1e-7;
+  constexpr float n_bins = (1 << BITS) - 1;
+  const Packed<T, BITS, GS> at(dim, group);
+  x += at.row * dim + at.j * GS;
+  out += at.row * dim + at.j * GS;
+
+  float w[GS];
+  float w_min = mlx::core::cu::Limits<float>::max();
+  float w_max = 0;
+  for (int i = 0; i < GS; i++) {
+    float val = x[i];
+    w[i] = val;
+    w_min = min(w_min, val);
+    w_max = max(w_max, val);
+  }
+  float scale = max((w_max - w_min) / n_bins, eps);
+  bool side = abs(w_min) > abs(w_max);
+  scale = side ? scale : -scale;
+  float edge = side ? w_min : w_max;
+  float q0 = round(edge / scale);
+  bool at_zero = q0 == 0.0f;
+  scale = at_zero ? scale : edge / q0;
+  float bias = at_zero ? 0 : edge;
+
+  const T scale_t = static_cast<T>(scale);
+  const T bias_t = static_cast<T>(bias);
+  T* scales = reinterpret_cast<T*>(packed + at.scales(dim));
+  scales[at.j] = scale_t;
+  scales[at.groups + at.j] = bias_t;
+
+  uint32_t* words = reinterpret_cast<uint32_t*>(packed + at.data());
+  for (int wi = 0; wi < GS / at.per_word; wi++) {
+    uint32_t word = 0;
+    for (int b = 0; b < at.per_word; b++) {
+      const int i = wi * at.per_word + b;
+      uint8_t val = min(round((w[i] - bias) / scale), n_bins);
+      word |= static_cast<uint32_t>(val) << (BITS * b);
+      out[i] = scale_t * static_cast<T>(val) + bias_t;
+    }
+    words[wi] = word;
+  }
+}
+
+// affine_dequantize's arithmetic, a thread per 32-bit word of data (as MLX's, so that
+// neighbouring threads read and write neighbouring memory).
+template <typename T, int BITS, int GS>
+__device__ void dequantize_word(
+    const uint16_t* packed, T* out, int dim, size_t word) {
+  constexpr int per_word = 32 / BITS;
+  const int words = dim * BITS / 32;
+  const int groups = dim / GS;
+  const int width = dim * BITS / 16 + 2 * groups * int(sizeof(T) / 2);
+  const size_t row = word / words;
+  const int w = word % words;
+  const int j = w * per_word / GS;
+  const uint16_t* base = packed + row * width;
+  const T* scales = reinterpret_cast<const T*>(base + dim * BITS / 16);
+  const T scale = scales[j];
+  const T bias = scales[groups + j];
+  const uint32_t data = reinterpret_cast<const uint32_t*>(base)[w];
+  out += row * dim + w * per_word;
+  for (int b = 0; b < per_word; b++) {
+    const uint8_t val = (data >> (BITS * b)) & ((1u << BITS) - 1);
+    out[b] = scale * static_cast<T>(val) + bias;
+  }
+}
+"""
+
+# The first threads take the keys (a group or a word each), the next ones the values.
+_SOURCES = {
+    "quantize": (
+        ["k", "v"],
+        ["pk", "pv", "ko", "vo"],
+        """
+    const size_t rows = size_t(k_shape[0]) * k_shape[1] * k_shape[2];
+    const size_t nk = rows * (DK / GS);
+    const size_t g = cg::this_grid().thread_rank();
+    if (g < nk) {
+      quantize_group<T, BITS, GS>(k, pk, ko, DK, g);
+    } else if (g < nk + rows * (DV / GS)) {
+      quantize_group<T, BITS, GS>(v, pv, vo, DV, g - nk);
+    }
+""",
+    ),
+    "dequantize": (
+        ["pk", "pv"],
+        ["ko", "vo"],
+        """
+    const size_t rows = size_t(pk_shape[0]) * pk_shape[1] * pk_shape[2];
+    const size_t nk = rows * (DK * BITS / 32);
+    const size_t g = cg::this_grid().thread_rank();
+    if (g < nk) {
+      dequantize_word<T, BITS, GS>(pk, ko, DK, g);
+    } else if (g < nk + rows * (DV * BITS / 32)) {
+      dequantize_word<T, BITS, GS>(pv, vo, DV, g - nk);
+    }
+""",
+    ),
+}
+
+
+def _get_kernel(kind: str) -> Any:
+    kernel = _kernels.get(kind)
+    if kernel is None:
+        inputs, outputs, source = _SOURCES[kind]
+        kernel = _kernels[kind] = mx.fast.cuda_kernel(
+            name=f"mlx_actors_{kind}_kv",
+            input_names=inputs,
+            output_names=outputs,
+            source=source,
+            header=_HEADER,
+        )
+    return kernel
