@@ -26,7 +26,9 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from mlx_actors.scheduler import _quantize_kernels
 from mlx_actors.scheduler._quantize_kernels import (
+    _launch,
     dequantize_packed,
     dequantize_pair,
     kernel_available,
@@ -79,8 +81,8 @@ def check() -> int:
         q = KVQuantization(bits, gs)
         for k, v in zip(inputs((b, h, n, dk), dtype), inputs((b, h, n, dv), dtype)[::-1]):
             want = with_ops(k, v, q)
-            got = [*quantize_step(k, v, q)]
-            got += dequantize_pair(want[0], want[1], dk, dv, dtype, q)
+            got = _launch("quantize", k, v, dk, dv, dtype, q)  # the kernels themselves
+            got += _launch("dequantize", want[0], want[1], dk, dv, dtype, q)
             want += [
                 dequantize_packed(want[0], dk, dtype, q),
                 dequantize_packed(want[1], dv, dtype, q),
@@ -214,6 +216,8 @@ def main() -> None:
         rows.append({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
         print(json.dumps(rows[-1]), flush=True)
     result["us"] = rows
+    # The timed runs went through the kernels only if their checks at first use passed.
+    result["kernels_used"] = kernel and all(_quantize_kernels._agrees.values())
     print(json.dumps(result, indent=2))
 
 

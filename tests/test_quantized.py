@@ -28,6 +28,7 @@ from mlx_actors.scheduler import (
     _quantized,
 )
 from mlx_actors.scheduler import _dequantized as dequantized
+from mlx_actors.scheduler import _quantize_kernels as kernels
 from mlx_actors.scheduler._dequantized import (
     DequantizedBatchKVCache,
     DequantizedKVCache,
@@ -424,6 +425,74 @@ def test_a_dequantized_global_cache_hands_out_its_arrays_dequantized() -> None:
         step(single)
     finally:
         dequantized.dequantize_pair = real  # type: ignore[assignment]
+
+
+def test_a_conversion_kernel_is_used_only_where_it_gives_mlx_s_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CUDA GPU the dequantized path's conversions are kernels that check themselves
+    once per combination against MLX's ops and are used only if every bit agrees. Here
+    (no GPU) the launch is MLX's ops, exact or one value off, to drive that choice."""
+    launched: list[str] = []
+
+    def exact(
+        kind: str,
+        keys: mx.array,
+        values: mx.array,
+        dk: int,
+        dv: int,
+        dtype: mx.Dtype,
+        q: KVQuantization,
+    ) -> list[mx.array]:
+        launched.append(kind)
+        if kind == "quantize":
+            return list(kernels._quantize_with_ops(keys, values, q))
+        return [kernels.dequantize_packed(a, d, dtype, q) for a, d in ((keys, dk), (values, dv))]
+
+    def off(*args: Any) -> list[mx.array]:
+        out = exact(*args)
+        out[-1] = out[-1] + out[-1][..., :1, :1, :1] * 0 + 1  # every value moved by one
+        return out
+
+    monkeypatch.setattr(kernels, "kernel_available", lambda: True)
+    monkeypatch.setattr(kernels, "_agrees", {})
+    q = KVQuantization(4, 32)
+    x = mx.random.normal((2, 2, 1, 64)).astype(mx.bfloat16)
+    want = kernels._quantize_with_ops(x, -x, q)
+
+    monkeypatch.setattr(kernels, "_launch", exact)
+    got = kernels.quantize_step(x, -x, q)
+    assert launched == ["quantize", "quantize"]  # the check, then the step
+    got = kernels.quantize_step(x, -x, q)
+    assert launched == ["quantize"] * 3  # checked once
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))
+    kernels.dequantize_pair(want[0], want[1], 64, 64, mx.bfloat16, q)
+    assert launched[3:] == ["dequantize", "dequantize"]
+
+    launched.clear()
+    monkeypatch.setattr(kernels, "_launch", off)
+    for dtype in (mx.float16, mx.float32):  # new combinations: checked, refused
+        y = x.astype(dtype)
+        got = kernels.quantize_step(y, -y, q)
+        ops = kernels._quantize_with_ops(y, -y, q)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(got, ops, strict=True))
+        pair = kernels.dequantize_pair(ops[0], ops[1], 64, 64, dtype, q)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(pair, ops[2:], strict=True))
+    assert launched == ["quantize", "dequantize"] * 2  # the checks only
+
+    def broken(*args: Any) -> list[mx.array]:
+        raise RuntimeError("Failed to compile kernel")  # as MLX says it
+
+    monkeypatch.setattr(kernels, "_launch", broken)
+    z = mx.random.normal((1, 2, 1, 128))
+    got = kernels.quantize_step(z, z, q)  # checked, failed, MLX's ops
+    ops = kernels._quantize_with_ops(z, z, q)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, ops, strict=True))
+    launched.clear()
+    kernels.quantize_step(x[0], -x[0], q)  # not [batch, heads, tokens, dim]
+    with pytest.raises(ValueError, match="divisible"):  # MLX's error, not a kernel's guess
+        kernels.quantize_step(mx.zeros((1, 1, 1, 48)), mx.zeros((1, 1, 1, 48)), q)
+    assert launched == []
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

@@ -17,8 +17,11 @@ The kernels do MLX's CUDA arithmetic (``affine_quantize`` and ``affine_dequantiz
 ``mlx/backend/cuda/quantized/affine_quantize.cu``, 0.32) bit for bit; quantizing takes a
 thread per group of values instead of a warp (a group's minimum and maximum do not
 depend on the order they are taken in). ``benchmarks/quantize_kernels.py`` checks them
-against MLX's ops on the GPU. No library does this for MLX; the kernels are about 80
-lines.
+against MLX's ops on the GPU, and each kernel checks itself once per combination of
+dtype, bits, group size and head sizes at first use: where its bits differ from MLX's
+ops, or it cannot be compiled, MLX's ops are used. Inputs that are not row-contiguous
+are copied first (by MLX, inside the launch). No library does this for MLX; the kernels
+are about 80 lines.
 """
 
 from __future__ import annotations
@@ -34,42 +37,18 @@ Step = tuple[mx.array, mx.array, mx.array, mx.array]
 
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 _kernels: dict[str, Any] = {}
+#: Whether each kernel gave MLX's bits, by kernel, dtype, quantization and head sizes.
+_agrees: dict[tuple[Any, ...], bool] = {}
 
 
 def quantize_step(keys: mx.array, values: mx.array, q: KVQuantization) -> Step:
     """``keys`` and ``values`` quantized as ``mx.quantize`` does, packed, and what they
     hold, dequantized (with MLX's ops, only computed if used)."""
     dk, dv, dtype = int(keys.shape[-1]), int(values.shape[-1]), keys.dtype
-    if (
-        kernel_available()
-        and values.dtype == dtype
-        and dtype in _FLOATS
-        and keys.shape[:-1] == values.shape[:-1]
-    ):
-        pk, pv, outk, outv = _launch(
-            "quantize",
-            [keys, values],
-            q,
-            dtype,
-            dk,
-            dv,
-            [
-                (*keys.shape[:-1], q.width(dk, dtype)),
-                (*values.shape[:-1], q.width(dv, dtype)),
-                keys.shape,
-                values.shape,
-            ],
-            [mx.uint16, mx.uint16, dtype, dtype],
-        )
+    if values.dtype == dtype and _use_kernel("quantize", keys, values, dk, dv, dtype, q):
+        pk, pv, outk, outv = _launch("quantize", keys, values, dk, dv, dtype, q)
         return pk, pv, outk, outv
-    tk = mx.quantize(keys, group_size=q.group_size, bits=q.bits)
-    tv = mx.quantize(values, group_size=q.group_size, bits=q.bits)
-    return (
-        pack(tk),
-        pack(tv),
-        mx.dequantize(*tk, group_size=q.group_size, bits=q.bits),
-        mx.dequantize(*tv, group_size=q.group_size, bits=q.bits),
-    )
+    return _quantize_with_ops(keys, values, q)
 
 
 def dequantize_pair(
@@ -77,17 +56,13 @@ def dequantize_pair(
 ) -> tuple[mx.array, mx.array]:
     """What packed ``keys`` and ``values`` hold, dequantized to heads of ``dk`` and ``dv``
     in ``dtype``."""
-    if kernel_available() and dtype in _FLOATS and keys.shape[:-1] == values.shape[:-1]:
-        outk, outv = _launch(
-            "dequantize",
-            [keys, values],
-            q,
-            dtype,
-            dk,
-            dv,
-            [(*keys.shape[:-1], dk), (*values.shape[:-1], dv)],
-            [dtype, dtype],
-        )
+    if (
+        keys.dtype == values.dtype == mx.uint16
+        and keys.shape[-1] == q.width(dk, dtype)
+        and values.shape[-1] == q.width(dv, dtype)
+        and _use_kernel("dequantize", keys, values, dk, dv, dtype, q)
+    ):
+        outk, outv = _launch("dequantize", keys, values, dk, dv, dtype, q)
         return outk, outv
     return dequantize_packed(keys, dk, dtype, q), dequantize_packed(values, dv, dtype, q)
 
@@ -103,27 +78,113 @@ def kernel_available() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-def _launch(
+def _quantize_with_ops(keys: mx.array, values: mx.array, q: KVQuantization) -> Step:
+    tk = mx.quantize(keys, group_size=q.group_size, bits=q.bits)
+    tv = mx.quantize(values, group_size=q.group_size, bits=q.bits)
+    return (
+        pack(tk),
+        pack(tv),
+        mx.dequantize(*tk, group_size=q.group_size, bits=q.bits),
+        mx.dequantize(*tv, group_size=q.group_size, bits=q.bits),
+    )
+
+
+def _use_kernel(
     kind: str,
-    inputs: list[mx.array],
-    q: KVQuantization,
-    dtype: mx.Dtype,
+    keys: mx.array,
+    values: mx.array,
     dk: int,
     dv: int,
-    shapes: list[Any],
-    dtypes: list[mx.Dtype],
-) -> list[mx.array]:
-    """One launch of ``kind``'s kernel: a thread per group (quantize) or 32-bit word of
-    data (dequantize) of the keys, then of the values."""
-    rows = inputs[0].size // inputs[0].shape[-1]
+    dtype: mx.Dtype,
+    q: KVQuantization,
+) -> bool:
+    """Whether ``kind``'s kernel takes these arrays: on a CUDA GPU, ``[batch, heads,
+    tokens, _]`` arrays of as many rows, whole groups, a grid CUDA can launch, and the
+    kernel checked against MLX's ops for this combination."""
+    if not (
+        kernel_available()
+        and dtype in _FLOATS
+        and keys.ndim == values.ndim == 4
+        and keys.shape[:-1] == values.shape[:-1]
+        and dk % q.group_size == 0
+        and dv % q.group_size == 0
+        and 0 < _threads(kind, keys.size // keys.shape[-1], dk, dv, q) < 2**31
+    ):
+        return False
+    key = (kind, dtype, q.bits, q.group_size, dk, dv)
+    agrees = _agrees.get(key)
+    if agrees is None:
+        try:
+            agrees = _check(kind, dk, dv, dtype, q)
+        except RuntimeError:  # MLX could not compile or launch it here (NVRTC, CUDA)
+            agrees = False
+        _agrees[key] = agrees
+    return agrees
+
+
+def _check(kind: str, dk: int, dv: int, dtype: mx.Dtype, q: KVQuantization) -> bool:
+    """Whether ``kind``'s kernel gives MLX's ops' bits on a small input of mixed signs,
+    zeros and a constant row: once per combination, so that an MLX release whose
+    arithmetic moved makes the caches fall back to MLX's ops instead of drifting from
+    them (deterministic values: the random state is left alone)."""
+
+    def rows(dim: int, scale: float) -> mx.array:
+        x = mx.sin(mx.arange(2 * 3 * 5 * dim, dtype=mx.float32) * scale) * 4
+        x = x.reshape(2, 3, 5, dim)
+        x[:, :, 1, :] = 0
+        x[:, :, 2, :] = -1.5
+        return x.astype(dtype)
+
+    keys, values = rows(dk, 0.37), rows(dv, 1.13)
+    want = list(_quantize_with_ops(keys, values, q))
     if kind == "quantize":
-        per_row = dk // q.group_size + dv // q.group_size
+        got = _launch(kind, keys, values, dk, dv, dtype, q)
     else:
-        per_row = (dk + dv) * q.bits // 32
+        got = _launch(kind, want[0], want[1], dk, dv, dtype, q)
+        want = want[2:]
+    return all(
+        a.shape == b.shape and mx.array_equal(_bits(a), _bits(b)).item()
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+def _bits(a: mx.array) -> mx.array:
+    return a.view(mx.uint32 if a.dtype == mx.float32 else mx.uint16)
+
+
+def _threads(kind: str, rows: int, dk: int, dv: int, q: KVQuantization) -> int:
+    """Threads of a launch: one per group (quantize) or 32-bit word of data
+    (dequantize) of the keys' rows, then of the values'."""
+    if kind == "quantize":
+        return rows * (dk // q.group_size + dv // q.group_size)
+    return rows * (dk + dv) * q.bits // 32
+
+
+def _launch(
+    kind: str,
+    keys: mx.array,
+    values: mx.array,
+    dk: int,
+    dv: int,
+    dtype: mx.Dtype,
+    q: KVQuantization,
+) -> list[mx.array]:
+    """One launch of ``kind``'s kernel on keys and values."""
+    lead = keys.shape[:-1]
+    if kind == "quantize":
+        shapes = [
+            (*lead, q.width(dk, dtype)),
+            (*lead, q.width(dv, dtype)),
+            (*lead, dk),
+            (*lead, dv),
+        ]
+        dtypes = [mx.uint16, mx.uint16, dtype, dtype]
+    else:
+        shapes, dtypes = [(*lead, dk), (*lead, dv)], [dtype, dtype]
     outputs: list[mx.array] = _get_kernel(kind)(
-        inputs=inputs,
+        inputs=[keys, values],
         template=[("T", dtype), ("BITS", q.bits), ("GS", q.group_size), ("DK", dk), ("DV", dv)],
-        grid=(rows * per_row, 1, 1),
+        grid=(_threads(kind, keys.size // keys.shape[-1], dk, dv, q), 1, 1),
         threadgroup=(128, 1, 1),
         output_shapes=shapes,
         output_dtypes=dtypes,
@@ -196,8 +257,8 @@ __device__ void quantize_group(
   }
 }
 
-// affine_dequantize's arithmetic, a thread per 32-bit word of data (as MLX's, so that
-// neighbouring threads read and write neighbouring memory).
+// affine_dequantize's arithmetic, a thread per 32-bit word of data (MLX's takes a thread
+// per byte), so that neighbouring threads read and write neighbouring memory.
 template <typename T, int BITS, int GS>
 __device__ void dequantize_word(
     const uint16_t* packed, T* out, int dim, size_t word) {
