@@ -30,6 +30,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ._gather import kernel_available  # a CUDA GPU: where MLX runs custom kernels
 from ._quantized import KVQuantization, pack, unpack
 
 #: A step's keys and values packed, then dequantized.
@@ -71,11 +72,6 @@ def dequantize_packed(packed: mx.array, dim: int, dtype: mx.Dtype, q: KVQuantiza
     """What a packed array holds, dequantized to heads of ``dim`` in ``dtype``, with
     MLX's ops."""
     return mx.dequantize(*unpack(packed, dim, dtype, q), group_size=q.group_size, bits=q.bits)
-
-
-def kernel_available() -> bool:
-    """Whether the kernels can run here: MLX's default device is a CUDA GPU."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def _quantize_with_ops(keys: mx.array, values: mx.array, q: KVQuantization) -> Step:
