@@ -211,7 +211,8 @@ def main() -> None:
                     step_writes(args.layers, batch, args.heads, args.dim, q, fused), args.iters
                 )
                 row[f"{bits}-bit whole cache, {'kernel' if fused else 'mlx ops'}"] = time_step(
-                    rebuild(args.layers, batch, args.heads, args.dim, q, fused), args.iters // 5
+                    rebuild(args.layers, batch, args.heads, args.dim, q, fused),
+                    max(1, args.iters // 5),
                 )
         rows.append({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
         print(json.dumps(rows[-1]), flush=True)
