@@ -43,10 +43,15 @@ class KVBlock:
     values: mx.array | None
     #: The prefix index's node for the tokens the block was computed from.
     node: Node | None = None
+    # The arrays' length, read once: rebuilding a cache asks every block's end.
+    _tokens: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        self._tokens = 0 if self.keys is None else int(self.keys.shape[2])
 
     @property
     def num_tokens(self) -> int:
-        return 0 if self.keys is None else int(self.keys.shape[2])
+        return 0 if self.keys is None else self._tokens
 
     @property
     def end(self) -> int:

@@ -178,6 +178,7 @@ class PrefixIndex:
         layers = []
         for spec, layer_spans in zip(self.spec.layers, spans, strict=True):
             lo = 0 if spec.window is None else max(0, length - spec.window)
+            layer_spans.sort(key=lambda span: span[0].start)
             layers.append(cover(layer_spans, lo, length))
         return Source(length=length, layers=tuple(layers), path=tuple(path[: length // BLOCK_SIZE]))
 
@@ -245,20 +246,22 @@ def _covers(runs: list[tuple[int, int]], lo: int, hi: int) -> bool:
 
 
 def cover(spans: Sequence[tuple[KVBlock, int]], lo: int, hi: int) -> tuple[Piece, ...]:
-    """Pieces of the spans (a block, and where what it can serve ends) covering
-    ``[lo, hi)``, each point from the span reaching furthest; the caller checked that
-    they cover it."""
-    ordered = sorted(spans, key=lambda span: span[0].start)
+    """Pieces of the spans (a block, and where what it can serve ends), given in order
+    of their blocks' starts, covering ``[lo, hi)``, each point from the span reaching
+    furthest; the caller checked that they cover it."""
     pieces: list[Piece] = []
-    at, i = lo, 0
-    best: tuple[KVBlock, int] | None = None
+    at, i, count = lo, 0, len(spans)
+    best, reach = None, -1
     while at < hi:
-        while i < len(ordered) and ordered[i][0].start <= at:
-            if best is None or ordered[i][1] > best[1]:
-                best = ordered[i]
+        while i < count:
+            block, end = spans[i]
+            if block.start > at:
+                break
+            if end > reach:
+                best, reach = block, end
             i += 1
-        assert best is not None and best[1] > at, "the spans do not cover the range"
-        end = min(best[1], hi)
-        pieces.append((best[0], at, end))
+        assert best is not None and reach > at, "the spans do not cover the range"
+        end = min(reach, hi)
+        pieces.append((best, at, end))
         at = end
     return tuple(pieces)
