@@ -76,16 +76,21 @@ async def one_history(
     reply = await agent.ask(first_text)
     conversation = [{"role": "system", "content": system}, {"role": "user", "content": first_text}]
     prompt = list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
-    raw_first = timed(model, prompt, len(reply.tokens), make_prompt_cache(model))
+    # The raw chat: one persistent cache from the first turn on (as ``mlx_lm.chat``
+    # keeps it), each later turn fed only what it lacks. Every position is then
+    # computed in the same chunks as the agent's (re-prefilled where the rendering
+    # changed), so the replies can be compared bit for bit in bfloat16 too.
+    cache = make_prompt_cache(model)
+    raw_first = timed(model, prompt, len(reply.tokens), cache)
+    held = [*prompt, *raw_first["tokens"]]
     identical = raw_first["tokens"] == list(reply.tokens)
+    # Turns whose reply differs from mlx-lm's (0: the first), and at which token.
+    differing = [] if identical else [(0, _first_difference(raw_first["tokens"], reply.tokens))]
     first = {
         "prompt_tokens": len(prompt),
         "actors_ttft_ms": round(reply.ttft_s * 1e3, 2),
         "raw_ttft_ms": round(raw_first["ttft_ms"], 2),
     }
-    # The raw chat: one persistent cache fed only what it lacks.
-    cache = make_prompt_cache(model)
-    held: list[int] = []
     conversation.append({"role": "assistant", "content": reply.text})
     turns = []
     for _ in range(args.turns):
@@ -96,10 +101,6 @@ async def one_history(
         conversation.append({"role": "user", "content": message})
         prompt = list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
         n = len(reply.tokens)
-        if not held:  # bring the raw cache up to the history (not timed)
-            for _ in generate_step(mx.array(prompt[:-1]), model, max_tokens=0, prompt_cache=cache):
-                pass
-            held = prompt[:-1]
         common = 0
         while common < min(len(held), len(prompt) - 1) and held[common] == prompt[common]:
             common += 1
@@ -108,7 +109,9 @@ async def one_history(
         ideal = timed(model, prompt[common:], n, cache)
         held = [*prompt, *ideal["tokens"]]
         again = timed(model, prompt, 1, make_prompt_cache(model)) if args.reprefill else None
-        identical &= ideal["tokens"] == list(reply.tokens)
+        if ideal["tokens"] != list(reply.tokens):
+            identical = False
+            differing.append((len(turns) + 1, _first_difference(ideal["tokens"], reply.tokens)))
         conversation.append({"role": "assistant", "content": reply.text})
         turns.append(
             {
@@ -150,7 +153,14 @@ async def one_history(
         else None,
         "actors_over_raw": ratio,
         "identical_replies": identical,
+        "differing_turns": differing,
     }
+
+
+def _first_difference(a: list[int], b: Any) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
