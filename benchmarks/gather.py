@@ -9,6 +9,12 @@ then it copies an array of the same bytes on the same device. It prints JSON: p5
 in milliseconds and GB/s for each, the fraction of copy bandwidth the gather reaches,
 and whether the gather's arrays equal the concatenated ones bit for bit.
 
+On a CUDA GPU it also measures another layout before anyone builds it (``arena``): each
+layer's blocks as slots of one array per layer (``[slots, heads, 256, dim]``), the whole
+cache gathered by one kernel launch whose inputs are those 96 arrays and a table, instead
+of one input per block. The blocks' pieces are computed inside the timing, as the gather
+computes them.
+
     python benchmarks/gather.py [--sizes 2048 4096 8192] [--iters 50]
 """
 
@@ -105,6 +111,7 @@ def run(tokens: int, iters: int) -> dict[str, object]:
     g = timed(gather, iters)
     n = timed(concatenated, iters)
     c = timed(copy, iters)
+    arena = arena_probe(blocks, tokens, iters, nbytes, c) if kernel_available() else None
     pool.free(blocks.blocks())
     g_stats, n_stats, c_stats = percentiles(g), percentiles(n), percentiles(c)
     g_gbs = nbytes / (g_stats["p50_ms"] / 1e3) / 1e9
@@ -119,6 +126,113 @@ def run(tokens: int, iters: int) -> dict[str, object]:
         "fraction_of_copy_bandwidth": g_gbs / c_gbs,
         "concatenate_fraction_of_copy_bandwidth": n_gbs / c_gbs,
         "gather_equals_concatenate": same,
+        "arena": arena,
+    }
+
+
+_arena_kernels: dict[int, object] = {}
+
+
+def arena_kernel(layers: int):  # type: ignore[no-untyped-def]
+    """Every piece of every layer in one launch: block ``blockIdx.y``'s head ``blockIdx.z``.
+    The table: the number of pieces, each layer's length, then per piece (layer, slot,
+    first position in the slot, count, where it goes)."""
+    if layers not in _arena_kernels:
+        cases = "\n".join(
+            f"case {i}: ka = ka{i}; va = va{i}; ko = ko{i}; vo = vo{i}; break;"
+            for i in range(layers)
+        )
+        source = """
+        const int part = blockIdx.y;
+        if (part >= table[0]) return;
+        const long h = blockIdx.z, heads = gridDim.z;
+        const int* row = table + 1 + LAYERS + 5 * part;
+        const int layer = row[0];
+        const long slot = row[1], lo = row[2], count = row[3], dst = row[4];
+        const long total = table[1 + layer];
+        const T* ka = nullptr; const T* va = nullptr; T* ko = nullptr; T* vo = nullptr;
+        switch (layer) { CASES default: return; }
+        constexpr int VK = DK * sizeof(T) / 16, VV = DV * sizeof(T) / 16;
+        const long step = (long)gridDim.x * blockDim.x;
+        const long first = (long)blockIdx.x * blockDim.x + threadIdx.x;
+        const uint4* ki = reinterpret_cast<const uint4*>(ka) + ((slot * heads + h) * 256 + lo) * VK;
+        const uint4* vi = reinterpret_cast<const uint4*>(va) + ((slot * heads + h) * 256 + lo) * VV;
+        uint4* kd = reinterpret_cast<uint4*>(ko) + (h * total + dst) * VK;
+        uint4* vd = reinterpret_cast<uint4*>(vo) + (h * total + dst) * VV;
+        for (long i = first; i < count * VK; i += step) kd[i] = ki[i];
+        for (long i = first; i < count * VV; i += step) vd[i] = vi[i];
+        """.replace("CASES", cases).replace("LAYERS", str(layers))
+        _arena_kernels[layers] = mx.fast.cuda_kernel(
+            name=f"mlx_actors_bench_arena_{layers}",
+            input_names=[
+                *(f"ka{i}" for i in range(layers)),
+                *(f"va{i}" for i in range(layers)),
+                "table",
+            ],
+            output_names=[*(f"ko{i}" for i in range(layers)), *(f"vo{i}" for i in range(layers))],
+            source=source,
+        )
+    return _arena_kernels[layers]
+
+
+def arena_probe(
+    blocks: AgentBlocks, tokens: int, iters: int, nbytes: int, copy: list[float]
+) -> dict[str, object]:
+    """The blocks copied into per-layer arenas (not timed), then gathered from them."""
+    spec = GEMMA3_12B
+    first = spec.layers[0]
+    assert all(
+        (layer.kv_heads, layer.key_dim, layer.value_dim, layer.dtype)
+        == (first.kv_heads, first.key_dim, first.value_dim, first.dtype)
+        for layer in spec.layers
+    ), "the probe takes layers of one shape"
+    heads, dk, dv, dtype = first.kv_heads, first.key_dim, first.value_dim, first.dtype
+    slot: dict[int, int] = {}
+    arenas_k, arenas_v = [], []
+    for layer_blocks in blocks.layers:
+        ak = mx.zeros((2 * len(layer_blocks), heads, BLOCK_SIZE, dk), dtype)
+        av = mx.zeros((2 * len(layer_blocks), heads, BLOCK_SIZE, dv), dtype)
+        for s, b in enumerate(layer_blocks):  # every other slot: others' blocks between
+            at = b.start % BLOCK_SIZE
+            ak[2 * s, :, at : at + b.num_tokens, :] = b.keys[0]
+            av[2 * s, :, at : at + b.num_tokens, :] = b.values[0]
+            slot[b.id] = 2 * s
+        mx.eval(ak, av)
+        arenas_k.append(ak)
+        arenas_v.append(av)
+    kernel = arena_kernel(spec.num_layers)
+
+    def gather() -> list[mx.array]:
+        rows: list[int] = []
+        totals: list[int] = []
+        for number, layer in enumerate(pieces(spec, blocks, tokens)):
+            filled = 0
+            for b, a, z in layer:
+                rows += (number, slot[b.id], a - b.start + b.start % BLOCK_SIZE, z - a, filled)
+                filled += z - a
+            totals.append(filled)
+        n = len(rows) // 5
+        outs = kernel(
+            inputs=[*arenas_k, *arenas_v, mx.array([n, *totals, *rows], dtype=mx.int32)],
+            template=[("T", dtype), ("DK", dk), ("DV", dv)],
+            grid=(256 * 16, n, heads),
+            threadgroup=(256, 1, 1),
+            output_shapes=[(1, heads, t, dk) for t in totals] + [(1, heads, t, dv) for t in totals],
+            output_dtypes=[dtype] * (2 * spec.num_layers),
+        )
+        layers = spec.num_layers
+        return [a for i in range(layers) for a in (outs[i], outs[layers + i])]
+
+    want = [a for c in to_cache(spec, blocks, tokens) for a in (c.keys, c.values)]
+    same = all(mx.array_equal(a, b).item() for a, b in zip(gather(), want, strict=True))
+    stats = percentiles(timed(gather, iters))
+    gbs = nbytes / (stats["p50_ms"] / 1e3) / 1e9
+    copy_gbs = nbytes / (percentiles(copy)["p50_ms"] / 1e3) / 1e9
+    return {
+        **stats,
+        "gb_per_s": gbs,
+        "fraction_of_copy_bandwidth": gbs / copy_gbs,
+        "equals_gather": same,
     }
 
 
