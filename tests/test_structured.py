@@ -20,6 +20,7 @@ from mlx_actors.scheduler import (
     Constraint,
     Sampling,
     grammar_tokenizer,
+    parse_reply,
     schema_grammar,
 )
 
@@ -114,9 +115,21 @@ def test_a_constrained_sequence_alone_and_in_the_batch_gives_the_same_reply(
 
 
 def test_a_bad_schema_is_refused() -> None:
-    for bad in ({"type": "no-such-type"}, "an object", 42, {"minimum": "x", "type": "integer"}):
+    for bad in (
+        {"type": "no-such-type"},
+        "an object",
+        42,
+        {"minimum": "x", "type": "integer"},
+        {"type": "integer", 1: "a key JSON cannot have"},
+        {"anyOf": [{"type": "object", "properties": {2: {"type": "string"}}}]},
+    ):
         with pytest.raises(InvalidRequestError):
             schema_grammar(bad)
+
+
+def test_a_value_too_deep_to_read_is_a_reply_format_error() -> None:
+    with pytest.raises(ReplyFormatError, match="too deeply"):
+        parse_reply("[" * 100_000 + "]" * 100_000, {"type": "array"})
 
 
 # -- through agents -------------------------------------------------------------------------
@@ -139,6 +152,34 @@ async def test_an_agent_returns_a_parsed_verdict_and_streams_its_json(tiny_dir: 
         plain = await other.ask("Hello")  # a plain turn after them: no constraint left
         assert plain.data is None
         assert [m.role for m in judge.history] == ["system", *["user", "assistant"] * 2]
+
+
+class Picky(pydantic.BaseModel):
+    winner: Literal["pro", "con"]
+
+    @pydantic.field_validator("winner")
+    @classmethod
+    def refuse(cls, value: str) -> str:
+        raise TypeError("no winner suits this validator")  # pydantic lets TypeError through
+
+
+@pytest.mark.anyio
+async def test_a_validator_that_fails_oddly_is_a_reply_format_error_and_undone(
+    tiny_dir: Path,
+) -> None:
+    async with Runtime(tiny_dir, pool_blocks=24, log_level="off") as rt:
+        judge = await rt.spawn("judge", max_tokens=120)
+        other = await rt.spawn("other", max_tokens=8)
+        await judge.ask("First")
+        before = (judge.history, judge.statistics().cached_tokens)
+        used = (await rt.stats()).pool.used_blocks
+        with pytest.raises(ReplyFormatError, match="TypeError: no winner"):
+            await judge.ask("Who won?", schema=Picky)
+        assert (judge.history, judge.statistics().cached_tokens) == before
+        stats = await rt.stats()
+        assert stats.pool.used_blocks == used and stats.turns_in_flight == 0
+        # The blocks came back and no turn is left in flight: another agent's turn runs.
+        assert (await other.ask("Hello")).tokens
 
 
 @pytest.mark.anyio

@@ -5,6 +5,7 @@ results is compared with mlx-lm's own greedy generation on the whole conversatio
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from pathlib import Path
@@ -182,6 +183,94 @@ async def test_errors_become_messages_the_model_reads(tiny_dir: Path) -> None:
         assert len(agent.history) == 8  # both turns kept, each with its call and result
 
 
+class Looked(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    x: int
+
+    @pydantic.field_validator("x")
+    @classmethod
+    def look_up(cls, value: int) -> int:
+        return {0: value}[-1]  # a KeyError, which pydantic lets through
+
+
+@pytest.mark.anyio
+async def test_whatever_a_tool_raises_or_returns_the_model_is_told(
+    tiny_dir: Path, anyio_backend: str
+) -> None:
+    def looked_up(arg: Looked) -> str:
+        """Take an argument whose validator fails."""
+        return "never"
+
+    def deep() -> list[Any]:
+        """Return a value nested deeper than JSON can write."""
+        value: list[Any] = []
+        for _ in range(5000):
+            value = [value]
+        return value
+
+    async def interrupted() -> str:
+        """Fail with a BaseException of its own: on asyncio, awaiting a future that was
+        cancelled elsewhere (not a cancel of the turn); on trio, GeneratorExit."""
+        if anyio_backend == "asyncio":
+            future = asyncio.get_running_loop().create_future()
+            future.cancel()
+            return str(await future)
+        raise GeneratorExit
+
+    async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
+        agent = await rt.spawn("t", tools=[looked_up, deep, interrupted], max_tokens=120)
+        expected = {
+            "looked_up": "bad arguments for looked_up: -1",
+            "deep": "deep returned list, which is not JSON",
+            "interrupted": "interrupted raised "
+            + ("CancelledError" if anyio_backend == "asyncio" else "GeneratorExit"),
+        }
+        for turn, (name, error) in enumerate(expected.items(), 1):
+            reply = await agent.ask("Go.", tool_choice=name)
+            (call,) = reply.tool_calls
+            assert (call.error or "").startswith(error), call.error
+            assert len(agent.history) == 4 * turn  # kept: user, call, result, answer
+        assert not agent.closed and list(rt.agents) == ["t"]
+        assert (await agent.ask("Still there?")).tool_calls == ()
+
+
+@pytest.mark.anyio
+async def test_a_tool_cannot_send_a_request_to_an_agent_that_waits_for_it(
+    tiny_dir: Path,
+) -> None:
+    agents: dict[str, Any] = {}
+
+    async def ask_myself() -> str:
+        """Ask myself."""
+        return (await agents["a"].ask("Again?")).text
+
+    def fork_myself_from_a_thread() -> str:
+        """Fork myself."""
+        return str(anyio.from_thread.run(agents["a"].fork, "a2").name)
+
+    async def ask_b() -> str:
+        """Ask b, whose tool asks a."""
+        reply = await agents["b"].ask("And you?", tool_choice="ask_a")
+        return reply.tool_calls[0].error or "b's tool ran"
+
+    async def ask_a() -> str:
+        """Ask a."""
+        return (await agents["a"].ask("Back to you.")).text
+
+    async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
+        tools = [ask_myself, fork_myself_from_a_thread, ask_b]
+        agents["a"] = await rt.spawn("a", tools=tools, max_tokens=120)
+        agents["b"] = await rt.spawn("b", tools=[ask_a], max_tokens=120)
+        with anyio.fail_after(120):  # a deadlock fails here rather than hang the run
+            for name in ("ask_myself", "fork_myself_from_a_thread"):
+                reply = await agents["a"].ask("Go.", tool_choice=name)
+                assert "would wait for itself" in (reply.tool_calls[0].error or "")
+            reply = await agents["a"].ask("Go.", tool_choice="ask_b")
+            assert "('a' -> 'b' -> 'a')" in str(reply.tool_calls[0].result)
+            assert reply.tool_calls[0].error is None  # b answered a's tool
+        assert set(rt.agents) == {"a", "b"}
+
+
 @pytest.mark.anyio
 async def test_sync_tools_run_on_a_worker_thread_and_async_ones_on_the_loop(
     tiny_dir: Path,
@@ -290,6 +379,23 @@ async def test_a_schema_reply_after_tool_calls(model: Loaded) -> None:
         assert [c.name for c in reply.tool_calls] == ["add"]
         assert isinstance(reply.data, Answer)
         assert reply.data == Answer.model_validate_json(reply.text)
+
+
+@pytest.mark.anyio
+async def test_an_answer_that_mentions_a_call_is_an_answer(tiny_dir: Path) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"note": {"enum": ["write <tool_call> first"]}},
+        "required": ["note"],
+        "additionalProperties": False,
+    }
+    async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
+        agent = await rt.spawn("calc", tools=[add], max_tokens=60)
+        # The grammar allows a call or the answer; the bias on "<" makes it the answer.
+        reply = await agent.ask("Note?", schema=schema, logit_bias={ord("<"): -100})
+        assert reply.data == {"note": "write <tool_call> first"}
+        assert reply.tool_calls == () and reply.finish_reason != "tool_calls"
+        assert [m.role for m in agent.history] == ["user", "assistant"]
 
 
 @pytest.mark.anyio

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import itertools
 import json
@@ -23,12 +24,12 @@ from ..errors import (
     AgentClosedError,
     InvalidRequestError,
     MlxActorsError,
-    ReplyFormatError,
     RuntimeClosedError,
     TurnTimeoutError,
 )
 from ..scheduler import (
     SEEDS,
+    AgentBlocks,
     Sampling,
     Scheduler,
     Turn,
@@ -189,6 +190,15 @@ class Keeper(Protocol):
         ...
 
 
+#: The agents whose requests this task is handling, outermost first: the agent running
+#: the request, and those whose tools sent it there. A tool (on the event loop or a
+#: worker thread) sees them too, so a request to any of them, which would wait for
+#: itself, is refused.
+_handling: contextvars.ContextVar[tuple[Agent, ...]] = contextvars.ContextVar(
+    "mlx_actors_handling", default=()
+)
+
+
 @attrs.define(eq=False)
 class Envelope:
     """A request in an agent's mailbox, and the caller's handle on its outcome."""
@@ -218,6 +228,8 @@ class Envelope:
     announced: bool = False
     scope: anyio.CancelScope | None = None
     deadline: float = math.inf
+    #: The agents handling the request that sent this one (see ``_handling``).
+    senders: tuple[Agent, ...] = ()
 
     def deadline_in(self) -> float | None:
         """Seconds left before the turn's timeout (``None``: no timeout)."""
@@ -233,6 +245,7 @@ class Envelope:
 
     async def send(self) -> None:
         """Put the envelope in the mailbox (waits while the mailbox is full)."""
+        self.senders = self.agent._check_outside()
         self.sent = True
         if self.kind == "ask":
             self.agent._scheduler.announce(1)
@@ -518,6 +531,7 @@ class Agent:
         """Stop and forget the agent: the running turn is cancelled, queued ones fail
         with :class:`AgentClosedError`, its cache blocks go back to the pool, and what a
         state directory kept of it is deleted."""
+        self._check_outside()
         if self._close_done is not None:  # closed, or being closed, by another call
             with anyio.CancelScope(shield=True):
                 await self._close_done.wait()
@@ -585,6 +599,20 @@ class Agent:
                 "anyio.from_thread.run(agent.ask, text, token=...) from a worker thread"
             )
 
+    def _check_outside(self) -> tuple[Agent, ...]:
+        """The agents handling the request this call comes from (by a tool); refused
+        if this agent is one of them: it takes one request at a time, so it would wait
+        for itself."""
+        senders = _handling.get()
+        if self in senders:
+            via = " -> ".join(repr(a.name) for a in (*senders[senders.index(self) :], self))
+            raise InvalidRequestError(
+                f"agent {self.name!r} was sent a request (or closed) from inside its own "
+                f"turn, by a tool ({via}): an agent takes one request at a time, so it "
+                "would wait for itself; ask another agent, or do it after the turn"
+            )
+        return senders
+
     def _closed_error(self) -> MlxActorsError:
         """The error of a request that comes after the agent stopped."""
         if isinstance(self._closing, RuntimeClosedError):
@@ -629,6 +657,7 @@ class Agent:
             self._on_stopped(self)
 
     async def _handle(self, envelope: Envelope) -> None:
+        handling = _handling.set((*envelope.senders, self))
         try:
             with anyio.CancelScope() as envelope.scope:
                 try:
@@ -646,6 +675,7 @@ class Agent:
         finally:
             if not envelope.completed and envelope.error is None:
                 envelope.error = self._closing or MlxActorsError("the turn was cancelled")
+            _handling.reset(handling)
             envelope.finish()
 
     async def _turn(self, envelope: Envelope) -> None:
@@ -665,6 +695,7 @@ class Agent:
         usage: Usage | None = None
         ttft = 0.0
         held = False
+        loose: AgentBlocks | None = None  # a round's blocks not yet given back or kept
         try:
             for rounds in itertools.count():
                 turn = Turn(
@@ -679,15 +710,20 @@ class Agent:
                 result = await self._scheduler.run_turn(
                     turn, sent=envelope.arrived if rounds == 0 else None
                 )
+                loose = result.blocks
                 if usage is None:
                     ttft = result.submitted_at + result.ttft_s - started
                 usage = _add_usage(usage, result.usage)
                 key = (self.name, self._turns, rounds)
-                calls = self._tool_format().calls(result.text, key, agent_tools) if tools else ()
+                calls = (
+                    self._tool_format().calls(result.text, key, agent_tools)
+                    if tools and not self._answered(envelope, result.text)
+                    else ()
+                )
                 if not calls or rounds >= options.max_tool_rounds:
                     break
                 self._scheduler.commit(self.name, result.blocks, hold=True)
-                held = True
+                loose, held = None, True
                 messages.append(Message(role="assistant", content=result.text, tool_calls=calls))
                 for call in calls:
                     done, text = await run_call(call, tools)
@@ -697,12 +733,10 @@ class Agent:
                     )
             data = None
             if envelope.schema is not None and not calls:
-                try:
-                    data = parse_reply(result.text, envelope.schema)
-                except ReplyFormatError:
-                    self._scheduler.release(self.name, result.blocks)
-                    raise
+                data = parse_reply(result.text, envelope.schema)
         except BaseException:
+            if loose is not None:
+                self._scheduler.release(self.name, loose)
             if held:
                 self._scheduler.undo(self.name)
             raise
@@ -776,6 +810,12 @@ class Agent:
         if self._format is None:
             self._format = tool_format(self._scheduler.tokenizer)
         return self._format
+
+    def _answered(self, envelope: Envelope, text: str) -> bool:
+        """Whether a reply under ``schema`` took the answer's branch of its grammar (a
+        call starts with the call's opening): then it holds no call, whatever its text
+        says."""
+        return envelope.schema is not None and not text.startswith(self._tool_format().start)
 
     async def _grammar(
         self, envelope: Envelope, options: TurnOptions, tools: tuple[Tool, ...], first: bool

@@ -9,6 +9,7 @@ descriptions from its docstring (Google, NumPy or reST style, through docstring_
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
@@ -252,7 +253,7 @@ async def run_call(call: ToolCall, tools: Mapping[str, Tool]) -> tuple[ToolCall,
         return attrs.evolve(call, error=error), f"Error: {error}"
     try:
         arguments = _arguments(found, call.arguments)
-    except (pydantic.ValidationError, TypeError, ValueError) as exc:
+    except Exception as exc:  # the model's fields, or a validator of the tool's own
         error = f"bad arguments for {call.name}: {exc}"
         return attrs.evolve(call, error=error), f"Error: {error}"
     try:
@@ -264,15 +265,36 @@ async def run_call(call: ToolCall, tools: Mapping[str, Tool]) -> tuple[ToolCall,
             )
             if inspect.isawaitable(result):
                 result = await result
-    except Exception as exc:
+    except BaseException as exc:
+        if not _raised_by_tool(exc):
+            raise
         error = f"{call.name} raised {type(exc).__name__}: {exc}"
         return attrs.evolve(call, error=error), f"Error: {error}"
     try:
         text = result_text(result)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # not JSON, or nested past what json can write
         error = f"{call.name} returned {type(result).__name__}, which is not JSON: {exc}"
         return attrs.evolve(call, error=error), f"Error: {error}"
     return attrs.evolve(call, result=result), text
+
+
+def _raised_by_tool(exc: BaseException) -> bool:
+    """Whether ``exc``, out of a tool, is the tool's own failure (the model is told)
+    rather than the turn's cancellation, an interrupt or an exit (which go on). A
+    tool's code can raise a cancellation that is not the turn's: on asyncio, awaiting a
+    future something else cancelled; the task itself is then not being cancelled."""
+    if isinstance(exc, Exception):
+        return True
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return False
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # not asyncio: trio's Cancelled is only ever the scope's
+            return False
+        cancelling = getattr(task, "cancelling", None)  # Python 3.11 on; else: the turn's
+        return cancelling is not None and not cancelling()
+    return True  # GeneratorExit and the like, raised by the tool's code
 
 
 def _arguments(found: Tool, given: Mapping[str, Any]) -> dict[str, Any]:

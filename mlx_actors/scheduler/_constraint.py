@@ -53,7 +53,22 @@ def json_schema(schema: object) -> dict[str, Any]:
         raise InvalidRequestError(
             f"schema must be a JSON schema (a dict) or a pydantic model class, got {schema!r}"
         )
+    _check_keys(schema, "schema")
     return dict(schema)
+
+
+def _check_keys(node: Any, where: str) -> None:
+    """Raise :class:`InvalidRequestError` at a key that is not a string (JSON has none)."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            if not isinstance(key, str):
+                raise InvalidRequestError(
+                    f"{where} has the key {key!r}: a JSON schema's keys are strings"
+                )
+            _check_keys(value, f"{where}[{key!r}]")
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            _check_keys(value, f"{where}[{i}]")
 
 
 def _closed(node: Any) -> Any:
@@ -102,6 +117,12 @@ def parse_reply(text: str, schema: object) -> Any:
     model class (:class:`ReplyFormatError` if the text is not a whole value)."""
     try:
         value = json.loads(text)
+    except RecursionError:
+        raise ReplyFormatError(
+            "the reply's value is nested too deeply for Python's json to read; bound the "
+            "schema's depth",
+            text=text,
+        ) from None
     except ValueError:
         raise ReplyFormatError(
             "the reply is not a complete value of its schema: it was cut by max_tokens or "
@@ -112,9 +133,10 @@ def parse_reply(text: str, schema: object) -> Any:
         return value
     try:
         return schema.model_validate_json(text)  # type: ignore[attr-defined]
-    except ValueError as exc:  # a validator of the model refused the value
+    except Exception as exc:  # a validator of the model refused the value, or failed
         raise ReplyFormatError(
-            f"the reply's value does not validate as {schema.__name__}: {exc}",  # type: ignore[attr-defined]
+            f"the reply's value does not validate as {schema.__name__}: "  # type: ignore[attr-defined]
+            f"{type(exc).__name__}: {exc}",
             text=text,
         ) from None
 
