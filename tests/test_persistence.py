@@ -202,6 +202,39 @@ async def test_a_corrupt_cache_is_a_clear_error_then_the_agent_starts_over(
         assert reply.usage.cached_tokens == 0
 
 
+async def test_a_corrupt_chunk_that_agents_share_costs_each_one_turn_and_is_gone(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    brief = "A brief that every agent reads first. " * 12  # over a block: shared on disk
+    names = ("ann", "bob")
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        for name in names:
+            await (await rt.spawn(name, system=brief, max_tokens=12)).ask(f"Hi from {name}?")
+    caches = state / "caches"
+    listed = [set(json.loads((caches / n / "index.json").read_text())["chunks"]) for n in names]
+    (shared,) = set.intersection(*listed)
+    chunk = caches / "_blocks" / shared
+    chunk.write_bytes(chunk.read_bytes()[:-100])  # truncated
+    failed = []
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        for turn in range(3):
+            for name in names:
+                try:
+                    await rt.agent(name).ask(f"Turn {turn}?")
+                except CorruptStateError:
+                    failed.append(name)
+                    await rt.agent(name).ask(f"Turn {turn}?")  # the cache was dropped
+    assert sorted(failed) == ["ann", "bob"]  # once each
+    assert not chunk.exists()
+    for name in names:  # the caches saved since were written anew, not pointed back there
+        assert shared not in json.loads((caches / name / "index.json").read_text())["chunks"]
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        for name in names:
+            reply = await rt.agent(name).ask("After a restart?")
+            assert reply.usage.cached_tokens > 0
+
+
 def _signed(change: Any) -> Any:
     """An edit of a record that signs it again, as a hand (not a bit flip) would."""
 

@@ -88,6 +88,7 @@ class DiskCacheStore:
         self._content: dict[str, str] = {}  # content key -> where the block is
         self._keys: dict[str, set[str]] = {}  # chunk -> content keys it holds
         self._sha: dict[str, str] = {}  # chunk -> its checksum
+        self._bad: set[str] = set()  # chunks found corrupt: never referred to again
         self._writing: dict[str, threading.Event] = {}  # chunks being written
         self._next = 1
 
@@ -192,8 +193,9 @@ class DiskCacheStore:
         for row in index["layers"]:
             for _, _, ref, key in row:
                 chunk = ref.split(":")[0]
-                self._content.setdefault(key, ref)
-                self._keys.setdefault(chunk, set()).add(key)
+                if chunk not in self._bad:
+                    self._content.setdefault(key, ref)
+                    self._keys.setdefault(chunk, set()).add(key)
 
     def _release(self, agent: str, chunks: Iterable[str]) -> None:
         """``agent`` no longer lists ``chunks``: delete those nobody lists."""
@@ -222,7 +224,8 @@ class DiskCacheStore:
             old = self._uses.get(agent, set())
             chunk = f"chunk-{self._next}.safetensors"
             for e, key in zip(entries, keys, strict=True):
-                ref = e.ref if e.ref is not None and e.ref.split(":")[0] in old else None
+                held = e.ref.split(":")[0] if e.ref is not None else None
+                ref = e.ref if held in old and held not in self._bad else None
                 ref = ref or self._content.get(key)
                 if ref is not None:
                     refs[e.key] = ref
@@ -318,16 +321,33 @@ class DiskCacheStore:
             write_json(self.where(other), with_digest(index))
             self._use(other, index)
 
+    def _read_chunk(self, name: str, sha: object) -> dict[str, np.ndarray]:
+        try:
+            return read_safetensors(self.blocks / name, str(sha))[0]
+        except CorruptStateError:
+            if _CHUNK.fullmatch(name):
+                self._never_again(name)
+            raise
+
+    def _never_again(self, chunk: str) -> None:
+        """Forget ``chunk``, found corrupt, as a place where blocks are (no save refers
+        to it again: the blocks are written anew) and delete it. The other agents whose
+        indexes list it lose their caches when those are read, and start again from
+        their conversations."""
+        with self._lock:
+            self._bad.add(chunk)
+            for key in self._keys.pop(chunk, ()):
+                if self._content.get(key, "").startswith(f"{chunk}:"):
+                    del self._content[key]
+            (self.blocks / chunk).unlink(missing_ok=True)
+
     def _load(self, agent: str) -> CacheImage:
         index = self._index(agent)
         where = self.where(agent)
         if index is None:
             raise CorruptStateError(f"{where} is missing")
         try:
-            chunks = {
-                name: read_safetensors(self.blocks / name, sha)[0]
-                for name, sha in index["chunks"].items()
-            }
+            chunks = {name: self._read_chunk(name, sha) for name, sha in index["chunks"].items()}
             keys: dict[str, int] = {}
             arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
             layers = []
