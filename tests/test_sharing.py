@@ -373,6 +373,30 @@ async def test_a_fork_holds_the_parent_cache_by_reference(tiny: Loaded, tiny_dir
         assert stats.pool.used_blocks == 0
 
 
+@pytest.mark.anyio
+async def test_a_fork_and_its_idle_parent_take_turns_in_a_pool_that_holds_one(
+    tiny_dir: Path,
+) -> None:
+    brief = "A long brief every agent reads first. " * 12  # two blocks a layer
+
+    async def dialogue(pool_blocks: int) -> tuple[list[tuple[int, ...]], int]:
+        async with Runtime(tiny_dir, pool_blocks=pool_blocks, log_level="off") as rt:
+            ann = await rt.spawn("ann", system=brief, max_tokens=12)
+            await ann.ask("Turn 0")
+            bob = await ann.fork("bob")
+            replies = []
+            for turn in (1, 2, 3):
+                # bob asks what ann just asked: her newer blocks hold his prompt too, but
+                # holding them would keep her idle cache from moving to disk
+                for agent in (ann, bob):
+                    replies.append((await agent.ask(f"Turn {turn}")).tokens)
+            return replies, (await rt.stats()).evictions
+
+    tight, evictions = await dialogue(12)
+    roomy, _ = await dialogue(400)
+    assert evictions > 0 and tight == roomy
+
+
 def test_a_state_directory_stores_a_shared_block_once_and_a_restart_shares_it_again(
     family: Loaded, tmp_path: Path
 ) -> None:

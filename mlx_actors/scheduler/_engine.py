@@ -62,6 +62,8 @@ class _Sequence:
     tokens: list[int]
     #: Tokens of the caller's own cache that agree with the prompt.
     kept: int
+    #: The caller's own cache (its agent holds it while the sequence runs).
+    own: AgentBlocks | None
     #: The caller's anchors on the prompt's path, and shared prefixes it started from.
     anchors: tuple[int, ...]
     budget: int
@@ -324,6 +326,7 @@ class BlockPoolBatchEngine:
             namespace=namespace,
             tokens=full,
             kept=kept,
+            own=cache if kept else None,
             anchors=anchors,
             budget=budget,
             sampler=sampling.make_sampler(),
@@ -378,14 +381,17 @@ class BlockPoolBatchEngine:
         room while the sequence holds other agents' blocks (which keeps them from being
         moved to disk), it starts from its own blocks instead."""
         n = len(seq.tokens)
-        limit = n - 1
+        own = False
         while True:
-            source = self.index.find(seq.namespace, seq.tokens, limit)
+            if own:
+                source = self.index.own(seq.own, seq.kept)
+            else:
+                source = self.index.find(seq.namespace, seq.tokens, n - 1)
             held = [self.pool.share(b) for b in source.blocks()]
             try:
                 target = (
                     self._shared_prefill(seq, source.length)
-                    if self.share_prefixes and limit == n - 1
+                    if self.share_prefixes and not own
                     else None
                 )
                 final = n + seq.budget
@@ -407,9 +413,10 @@ class BlockPoolBatchEngine:
                 break
             except PoolExhaustedError:
                 self.pool.free(held)
-                if limit <= seq.kept or source.length <= seq.kept:
+                mine = {b.id for b in seq.own.blocks()} if seq.own is not None else set()
+                if own or all(b.id in mine for b in source.blocks()):
                     raise
-                limit = seq.kept
+                own = True
             except BaseException:
                 self.pool.free(held)
                 raise

@@ -328,7 +328,8 @@ class EngineLoop:
                 processors=self._constraint(turn),
             )
         except PoolExhaustedError as exc:
-            raise _nothing_to_evict(exc) from None
+            own = {b.id: b for b in blocks.blocks()}.values() if blocks is not None else ()
+            raise _nothing_to_evict(exc, sum(self.pool.spec.units(b.layer) for b in own)) from None
         admission = self.engine.admission(uid)
         assert admission is not None
         lost = {"not_reused": admission.not_reused} if admission.not_reused else {}
@@ -638,10 +639,18 @@ class EngineLoop:
         return final
 
 
-def _nothing_to_evict(exc: PoolExhaustedError) -> PoolExhaustedError:
+def _nothing_to_evict(exc: PoolExhaustedError, own: int = 0) -> PoolExhaustedError:
+    """``exc`` once nothing could be moved to disk; ``own``: the units of the turn's own
+    cache, which stays in the pool until the turn ends."""
+    mine = (
+        f" This agent's own cache holds {own} of the used ones: it stays until the turn "
+        "ends, beside the turn's new blocks. Every other cache"
+        if own
+        else " Every cache"
+    )
     return PoolExhaustedError(
-        f"{exc} Every cache left in the pool belongs to an agent with a turn in flight "
-        "(or is shared with one), so none could be moved to disk.",
+        f"{exc}.{mine} left in the pool belongs to an agent with a turn in flight (or is "
+        "shared with one), so none could be moved to disk.",
         needed=exc.needed,
         free=exc.free,
     )

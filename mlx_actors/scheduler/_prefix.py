@@ -17,7 +17,7 @@ from collections.abc import Hashable, Sequence
 
 import attrs
 
-from ._pool import KVBlock
+from ._pool import AgentBlocks, KVBlock
 from ._spec import BLOCK_SIZE, LayerKind, ModelCacheSpec
 from ._tokens import common_prefix
 
@@ -171,14 +171,28 @@ class PrefixIndex:
             for node, usable in level:
                 for layer, block in node.blocks.items():
                     spans[layer].append((block, node.start + usable))
-        runs = [runs_of(layer_spans) for layer_spans in spans]
-        length = self._servable(runs, limit)
+        for layer_spans in spans:
+            layer_spans.sort(key=lambda span: span[0].start)
+        return self._source(spans, limit, path)
+
+    def own(self, blocks: AgentBlocks | None, limit: int) -> Source:
+        """The longest prefix, at most ``limit`` tokens (which ``blocks``' tokens agree
+        with), that ``blocks`` rebuild a cache for by themselves: one agent's own
+        history, holding no other agent's block (``None``: none, nothing to start from)."""
+        layers = blocks.layers if blocks is not None else [() for _ in self.spec.layers]
+        return self._source([[(b, b.end) for b in layer] for layer in layers], limit, [])
+
+    def _source(
+        self, spans: list[list[tuple[KVBlock, int]]], limit: int, path: list[Node]
+    ) -> Source:
+        """The longest prefix of at most ``limit`` tokens that ``spans`` (per layer, in
+        order of their starts) can serve, as a :class:`Source`."""
+        length = self._servable([runs_of(layer_spans) for layer_spans in spans], limit)
         if length == 0:
             return Source(length=0, layers=tuple(() for _ in self.spec.layers))
         layers = []
         for spec, layer_spans in zip(self.spec.layers, spans, strict=True):
             lo = 0 if spec.window is None else max(0, length - spec.window)
-            layer_spans.sort(key=lambda span: span[0].start)
             layers.append(cover(layer_spans, lo, length))
         return Source(length=length, layers=tuple(layers), path=tuple(path[: length // BLOCK_SIZE]))
 
