@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
+import numpy as np
 import pytest
 from anyio import wait_all_tasks_blocked
 
@@ -25,6 +27,7 @@ from mlx_actors.errors import (
     StateInUseError,
 )
 from mlx_actors.runtime import _disk, _store
+from mlx_actors.scheduler import BlockEntry, CacheImage
 from mlx_actors.testing import tiny_config, write_random_model
 
 from .conftest import Loaded, ReferenceChat, reference, render
@@ -207,32 +210,94 @@ async def test_a_corrupt_chunk_that_agents_share_costs_each_one_turn_and_is_gone
 ) -> None:
     state = tmp_path / "state"
     brief = "A brief that every agent reads first. " * 12  # over a block: shared on disk
-    names = ("ann", "bob")
-    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
-        for name in names:
-            await (await rt.spawn(name, system=brief, max_tokens=12)).ask(f"Hi from {name}?")
     caches = state / "caches"
-    listed = [set(json.loads((caches / n / "index.json").read_text())["chunks"]) for n in names]
-    (shared,) = set.intersection(*listed)
+
+    def chunks(name: str) -> set[str]:
+        return set(json.loads((caches / name / "index.json").read_text())["chunks"])
+
+    def runtime() -> Runtime:
+        return Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state)
+
+    async with runtime() as rt:
+        for name in ("ann", "bob"):
+            await (await rt.spawn(name, system=brief, max_tokens=12)).ask(f"Hi from {name}?")
+    (shared,) = chunks("ann") & chunks("bob")
     chunk = caches / "_blocks" / shared
     chunk.write_bytes(chunk.read_bytes()[:-100])  # truncated
     failed = []
-    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+
+    async def ask(rt: Runtime, name: str, text: str) -> None:
+        try:
+            await rt.agent(name).ask(text)
+        except CorruptStateError:
+            failed.append(name)
+            await rt.agent(name).ask(text)  # the cache was dropped: it starts over
+
+    async with runtime() as rt:  # bob reads the chunk; ann, who lists it too, is not asked
         for turn in range(3):
-            for name in names:
-                try:
-                    await rt.agent(name).ask(f"Turn {turn}?")
-                except CorruptStateError:
-                    failed.append(name)
-                    await rt.agent(name).ask(f"Turn {turn}?")  # the cache was dropped
-    assert sorted(failed) == ["ann", "bob"]  # once each
+            await ask(rt, "bob", f"Turn {turn}?")
+    assert failed == ["bob"] and not chunk.exists() and shared in chunks("ann")
+    async with runtime() as rt:  # a new agent with the same brief, then ann
+        await (await rt.spawn("cat", system=brief, max_tokens=12)).ask("Hi from cat?")
+        assert shared not in chunks("cat")  # its blocks were written, not found there
+        for turn in range(2):
+            await ask(rt, "ann", f"Turn {turn}?")
+    assert failed == ["bob", "ann"]  # once each
+    # what was saved since is written anew, not pointed back at the chunk (and no new
+    # chunk took its name)
     assert not chunk.exists()
-    for name in names:  # the caches saved since were written anew, not pointed back there
-        assert shared not in json.loads((caches / name / "index.json").read_text())["chunks"]
-    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
-        for name in names:
+    assert all(shared not in chunks(name) for name in ("ann", "bob", "cat"))
+    async with runtime() as rt:
+        for name in ("ann", "bob", "cat"):
             reply = await rt.agent(name).ask("After a restart?")
             assert reply.usage.cached_tokens > 0
+
+
+def test_a_save_under_way_never_lists_a_chunk_just_found_corrupt(tmp_path: Path) -> None:
+    store = _store.DiskCacheStore(tmp_path / "caches", persistent=True)
+
+    def block(value: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.full((1, 2, 256, 4), value, np.uint16), np.full((1, 2, 256, 4), value, np.uint16)
+
+    entries = (BlockEntry(layer=0, start=0, end=256, key=1),)
+    first = CacheImage(tokens=tuple(range(256)), layers=(entries,), dtype="float16")
+    store._save("ann", attrs.evolve(first, arrays={1: block(1)}))
+    (chunk,) = (tmp_path / "caches" / "_blocks").iterdir()
+    longer = CacheImage(
+        tokens=tuple(range(512)),
+        layers=((*entries, BlockEntry(layer=0, start=256, end=512, key=2)),),
+        dtype="float16",
+        arrays={1: block(1), 2: block(2)},
+    )
+    # bob's save refers to ann's block by what it holds, then pauses writing its own
+    writing, go_on = threading.Event(), threading.Event()
+    write = store._write_chunk
+
+    def paused(*args: Any) -> None:
+        writing.set()
+        go_on.wait()
+        write(*args)
+
+    store._write_chunk = paused  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            store._save("bob", longer)
+        except OSError as exc:
+            errors.append(exc)
+
+    saving = threading.Thread(target=save)
+    saving.start()
+    writing.wait()
+    chunk.write_bytes(chunk.read_bytes()[:-10])
+    with pytest.raises(CorruptStateError, match="checksum"):
+        store._load("ann")  # finds the chunk corrupt, and deletes it
+    go_on.set()
+    saving.join()
+    assert not chunk.exists()
+    index = store._index("bob")
+    assert index is None and errors  # the save failed rather than list the chunk
 
 
 def _signed(change: Any) -> Any:

@@ -272,6 +272,30 @@ async def test_a_tool_cannot_send_a_request_to_an_agent_that_waits_for_it(
 
 
 @pytest.mark.anyio
+async def test_a_task_a_tool_starts_may_ask_its_agent_once_the_turn_is_over(
+    tiny_dir: Path,
+) -> None:
+    turn_over = anyio.Event()
+    answers: list[Any] = []
+    async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
+        async with anyio.create_task_group() as tg:
+
+            async def later() -> None:
+                await turn_over.wait()
+                answers.append(await agent.ask("Now?"))
+
+            async def schedule() -> str:
+                """Ask me again once this turn is over."""
+                tg.start_soon(later)  # the task starts with this tool's context
+                return "scheduled"
+
+            agent = await rt.spawn("a", tools=[schedule], max_tokens=120)
+            await agent.ask("Go.", tool_choice="schedule")
+            turn_over.set()
+    assert len(answers) == 1 and answers[0].tokens
+
+
+@pytest.mark.anyio
 async def test_sync_tools_run_on_a_worker_thread_and_async_ones_on_the_loop(
     tiny_dir: Path,
 ) -> None:

@@ -190,11 +190,12 @@ class Keeper(Protocol):
         ...
 
 
-#: The agents whose requests this task is handling, outermost first: the agent running
-#: the request, and those whose tools sent it there. A tool (on the event loop or a
-#: worker thread) sees them too, so a request to any of them, which would wait for
-#: itself, is refused.
-_handling: contextvars.ContextVar[tuple[Agent, ...]] = contextvars.ContextVar(
+#: The requests this task is handling, outermost first: the one its agent is running,
+#: and those whose tools sent it there. A tool (on the event loop or a worker thread)
+#: sees them too, so a request to one of their agents while it runs, which would wait
+#: for itself, is refused. (A task a tool starts inherits them: a request it sends
+#: after they finished is not refused.)
+_handling: contextvars.ContextVar[tuple[Envelope, ...]] = contextvars.ContextVar(
     "mlx_actors_handling", default=()
 )
 
@@ -228,8 +229,8 @@ class Envelope:
     announced: bool = False
     scope: anyio.CancelScope | None = None
     deadline: float = math.inf
-    #: The agents handling the request that sent this one (see ``_handling``).
-    senders: tuple[Agent, ...] = ()
+    #: The requests, still running, that sent this one (see ``_handling``).
+    senders: tuple[Envelope, ...] = ()
 
     def deadline_in(self) -> float | None:
         """Seconds left before the turn's timeout (``None``: no timeout)."""
@@ -599,13 +600,14 @@ class Agent:
                 "anyio.from_thread.run(agent.ask, text, token=...) from a worker thread"
             )
 
-    def _check_outside(self) -> tuple[Agent, ...]:
-        """The agents handling the request this call comes from (by a tool); refused
-        if this agent is one of them: it takes one request at a time, so it would wait
-        for itself."""
-        senders = _handling.get()
-        if self in senders:
-            via = " -> ".join(repr(a.name) for a in (*senders[senders.index(self) :], self))
+    def _check_outside(self) -> tuple[Envelope, ...]:
+        """The requests still running that this call comes from (by a tool); refused
+        if one of them is this agent's: it takes one request at a time, so it would
+        wait for itself."""
+        senders = tuple(e for e in _handling.get() if not e.done.is_set())
+        agents = [e.agent for e in senders]
+        if self in agents:
+            via = " -> ".join(repr(a.name) for a in (*agents[agents.index(self) :], self))
             raise InvalidRequestError(
                 f"agent {self.name!r} was sent a request (or closed) from inside its own "
                 f"turn, by a tool ({via}): an agent takes one request at a time, so it "
@@ -657,7 +659,7 @@ class Agent:
             self._on_stopped(self)
 
     async def _handle(self, envelope: Envelope) -> None:
-        handling = _handling.set((*envelope.senders, self))
+        handling = _handling.set((*envelope.senders, envelope))
         try:
             with anyio.CancelScope() as envelope.scope:
                 try:

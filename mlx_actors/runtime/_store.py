@@ -174,10 +174,12 @@ class DiskCacheStore:
                 _remove(self.root / agent)
                 continue
             self._use(agent, index)
-        numbers = [
-            int(m.group(1)) for p in files_in(self.blocks) if (m := _CHUNK.fullmatch(p.name))
-        ]
-        self._next = max(numbers, default=0) + 1
+        present = {p.name for p in files_in(self.blocks)}
+        for chunk in set(self._users) - present:  # listed, but gone (found corrupt before)
+            self._forget(chunk)
+        names = present | set(self._users)
+        numbers = [int(m.group(1)) for name in names if (m := _CHUNK.fullmatch(name))]
+        self._next = max(numbers, default=0) + 1  # no name an index lists is made again
         if all_read:  # what a process killed between a chunk and its index left
             for path in files_in(self.blocks):
                 if path.name not in self._users:
@@ -189,7 +191,8 @@ class DiskCacheStore:
         self._uses[agent] = chunks
         for chunk in chunks:
             self._users.setdefault(chunk, set()).add(agent)
-            self._sha.setdefault(chunk, str(index["chunks"][chunk]))
+            if chunk not in self._bad:
+                self._sha.setdefault(chunk, str(index["chunks"][chunk]))
         for row in index["layers"]:
             for _, _, ref, key in row:
                 chunk = ref.split(":")[0]
@@ -330,16 +333,22 @@ class DiskCacheStore:
             raise
 
     def _never_again(self, chunk: str) -> None:
-        """Forget ``chunk``, found corrupt, as a place where blocks are (no save refers
-        to it again: the blocks are written anew) and delete it. The other agents whose
+        """Forget ``chunk``, found corrupt, and delete it. The other agents whose
         indexes list it lose their caches when those are read, and start again from
-        their conversations."""
+        their conversations; a later start takes a listed chunk that is missing for
+        one found corrupt."""
         with self._lock:
-            self._bad.add(chunk)
-            for key in self._keys.pop(chunk, ()):
-                if self._content.get(key, "").startswith(f"{chunk}:"):
-                    del self._content[key]
+            self._forget(chunk)
             (self.blocks / chunk).unlink(missing_ok=True)
+
+    def _forget(self, chunk: str) -> None:
+        """No save refers to ``chunk`` again (its blocks are written anew), and a save
+        under way that refers to it fails rather than list it. Under the lock."""
+        self._bad.add(chunk)
+        self._sha.pop(chunk, None)
+        for key in self._keys.pop(chunk, ()):
+            if self._content.get(key, "").startswith(f"{chunk}:"):
+                del self._content[key]
 
     def _load(self, agent: str) -> CacheImage:
         index = self._index(agent)
