@@ -127,6 +127,13 @@ def test_a_bad_schema_is_refused() -> None:
             schema_grammar(bad)
 
 
+def test_a_schema_that_contains_itself_is_refused() -> None:
+    schema: dict[str, Any] = {"type": "object"}
+    schema["properties"] = {"again": schema}
+    with pytest.raises(InvalidRequestError, match="contains itself"):
+        schema_grammar(schema)
+
+
 def test_a_value_too_deep_to_read_is_a_reply_format_error() -> None:
     with pytest.raises(ReplyFormatError, match="too deeply"):
         parse_reply("[" * 100_000 + "]" * 100_000, {"type": "array"})

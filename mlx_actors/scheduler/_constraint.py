@@ -53,7 +53,12 @@ def json_schema(schema: object) -> dict[str, Any]:
         raise InvalidRequestError(
             f"schema must be a JSON schema (a dict) or a pydantic model class, got {schema!r}"
         )
-    _check_keys(schema, "schema")
+    try:
+        _check_keys(schema, "schema")
+    except RecursionError:
+        raise InvalidRequestError(
+            "the schema is nested too deeply (or contains itself); use $ref for recursion"
+        ) from None
     return dict(schema)
 
 
