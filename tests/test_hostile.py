@@ -83,6 +83,9 @@ async def test_a_turn_given_up_while_it_is_saved_is_rolled_back(
                 tg.cancel_scope.cancel()
         assert ann.history == () and ann.statistics().turns == 0
         assert records_on_disk(state, "ann") == []
+        # and the cache is the one before the turn: the turn's blocks went back
+        assert ann.statistics().cached_tokens == 0
+        assert (await rt.stats()).pool.used_blocks == 0
         reply = await ann.ask("Hello there")  # the retry: one user message, not two
         assert [m.content for m in ann.history] == ["Hello there", reply.text]
     async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:

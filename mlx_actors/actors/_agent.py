@@ -742,9 +742,11 @@ class Agent:
             if held:
                 self._scheduler.undo(self.name)
             raise
-        # Commit the reply and its cache together: nothing awaits until the keeper.
-        before = self._messages, self._turns
-        self._scheduler.commit(self.name, result.blocks)
+        # Commit the reply and its cache together: nothing awaits until the keeper. With
+        # a keeper, the cache the turn started from is held until the turn is saved.
+        before = self._messages, self._turns, self._cached_tokens, self._cached_blocks
+        saving = self._keeper is not None
+        self._scheduler.commit(self.name, result.blocks, hold=saving, saving=saving)
         self._cached_tokens, self._cached_blocks = (
             result.blocks.num_tokens,
             result.blocks.num_blocks,
@@ -756,20 +758,23 @@ class Agent:
         self._turns += 1
         if self._keeper is not None:
             # The turn is kept once saved; a caller who gave up meanwhile (a cancel, a
-            # timeout) or a save that failed leaves the agent as it was before the turn.
-            # (The cache keeps the turn's tokens: a later turn reuses what it shares.)
+            # timeout) or a save that failed leaves the agent as it was before the turn,
+            # its cache included (the turn's blocks go back to the pool).
             with anyio.CancelScope(shield=True):
                 try:
                     await self._keeper.changed(self)
                 except BaseException:
-                    self._messages, self._turns = before
+                    self._undo_commit(before)
                     raise
                 if envelope.cancelled:
-                    after = self._messages, self._turns
-                    self._messages, self._turns = before
+                    after = self._messages, self._turns, self._cached_tokens, self._cached_blocks
+                    self._messages, self._turns = before[:2]
                     if await self._save_undo():
+                        self._undo_commit(before)
                         return
-                    self._messages, self._turns = after  # kept on disk: kept here too
+                    # kept on disk: kept here too
+                    self._messages, self._turns, self._cached_tokens, self._cached_blocks = after
+                self._scheduler.commit(self.name, result.blocks)  # frees the start's cache
         assert usage is not None
         envelope.reply = Reply(
             text=result.text,
@@ -845,6 +850,12 @@ class Agent:
                 self._grammars.clear()
             self._grammars[key] = grammar
         return grammar
+
+    def _undo_commit(self, before: tuple[list[Message], int, int, int]) -> None:
+        """Take back a turn committed with ``hold``: the conversation and the cache are
+        the ones before it."""
+        self._messages, self._turns, self._cached_tokens, self._cached_blocks = before
+        self._scheduler.undo(self.name)
 
     async def _save_undo(self) -> bool:
         """Save the agent as it was before a turn its caller gave up on; ``False`` if

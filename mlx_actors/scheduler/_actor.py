@@ -239,13 +239,17 @@ class Scheduler:
         assert turn.result is not None
         return turn.result
 
-    def commit(self, agent: str, blocks: AgentBlocks, *, hold: bool = False) -> None:
+    def commit(
+        self, agent: str, blocks: AgentBlocks, *, hold: bool = False, saving: bool = False
+    ) -> None:
         """Make a finished turn's blocks the agent's cache (its old blocks are freed).
 
-        With ``hold`` the turn goes on (a round of tool calls): the cache the turn
-        started from is kept, and the agent is not evicted, until a commit without
-        ``hold`` (which frees it) or :meth:`undo` (which restores it)."""
-        self._put(Commit(agent, blocks, hold))
+        With ``hold`` the turn goes on (a round of tool calls, or its save): the cache
+        the turn started from is kept, and the agent is not evicted, until a commit
+        without ``hold`` (which frees it) or :meth:`undo` (which restores it). With
+        ``saving`` the turn still counts as in flight meanwhile (see
+        :class:`~._protocol.Commit`)."""
+        self._put(Commit(agent, blocks, hold, saving))
 
     def undo(self, agent: str) -> None:
         """After commits with ``hold``: the agent's cache is again the one the turn

@@ -479,14 +479,14 @@ class EngineLoop:
         entry = self._entry(command.agent)
         if command.hold and not entry.holding:
             entry.holding, entry.kept = True, entry.blocks  # the turn's start, for Undo
-        elif entry.blocks is not None:
-            self.pool.free(entry.blocks.blocks())
+        elif entry.blocks is not None and entry.blocks is not command.blocks:
+            self.pool.free(entry.blocks.blocks())  # (the same blocks: the hold ends)
         if not command.hold:
             if entry.kept is not None:
                 self.pool.free(entry.kept.blocks())
             entry.holding, entry.kept = False, None
         entry.blocks, entry.tokens = command.blocks, command.blocks.tokens
-        entry.last_used, entry.busy = time.perf_counter(), False
+        entry.last_used, entry.busy = time.perf_counter(), command.saving
         if entry.stored:  # only the blocks it still holds can be referred to
             entry.stored = {
                 b.id: entry.stored[b.id] for b in entry.blocks.blocks() if b.id in entry.stored

@@ -115,12 +115,15 @@ class Cancel:
 @attrs.frozen
 class Commit:
     """The agent took the turn's result: its blocks become the agent's cache. With
-    ``hold``, the turn goes on (a round of tool calls): the cache it started from is
-    kept aside, for :class:`Undo`, until a commit without ``hold``."""
+    ``hold``, the turn goes on (a round of tool calls, or its save): the cache it started
+    from is kept aside, for :class:`Undo`, until a commit without ``hold``. While it is
+    ``saving``, the turn still counts as in flight (it ends by itself, so others may
+    wait for the room it will give back)."""
 
     agent: str
     blocks: AgentBlocks
     hold: bool = False
+    saving: bool = False
 
 
 @attrs.frozen
