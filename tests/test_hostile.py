@@ -92,6 +92,43 @@ async def test_a_turn_given_up_while_it_is_saved_is_rolled_back(
         assert [m.content for m in rt.agent("ann").history] == ["Hello there", reply.text]
 
 
+async def test_a_turn_given_up_while_saved_whose_undo_fails_oddly_still_gives_back(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, and saving the undone agent raises an error nobody expected: the turn's
+    blocks still go back, and the agent is not left counted as busy."""
+    gave_up = anyio.Event()
+    cancel = Envelope.cancel
+
+    def cancel_and_tell(self: Envelope) -> None:
+        cancel(self)
+        gave_up.set()
+
+    save = _state.StateDir.save
+
+    fires: list[str] = []
+
+    async def failing_save(self: _state.StateDir, record: _state.AgentRecord) -> None:
+        if len(record.messages) == 2:  # the turn's save: slow, the caller gives up
+            await gave_up.wait()
+        elif gave_up.is_set() and not fires:  # the undo's save
+            fires.append(record.name)
+            raise RuntimeError("the disk caught fire")
+        await save(self, record)
+
+    monkeypatch.setattr(Envelope, "cancel", cancel_and_tell)
+    monkeypatch.setattr(_state.StateDir, "save", failing_save)
+    options = dict(pool_blocks=100, log_level="off", state_dir=tmp_path / "state")
+    async with Runtime(tiny_dir, **options) as rt:
+        ann = await rt.spawn("ann", max_tokens=8)
+        with pytest.raises(TurnTimeoutError):
+            await ann.ask("Hello there", timeout=2)
+        assert fires == ["ann"]
+        assert ann.history == () and ann.statistics().cached_tokens == 0
+        stats = await rt.stats()
+        assert stats.pool.used_blocks == 0 and stats.turns_in_flight == 0
+
+
 # -- 2. a full disk: the turn fails, typed, and nothing returned is lost -----------------
 
 

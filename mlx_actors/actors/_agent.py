@@ -170,6 +170,12 @@ class Keeper(Protocol):
     """How the runtime keeps an agent beyond its process (a state directory), and makes
     new agents from it."""
 
+    @property
+    def saves_turns(self) -> bool:
+        """Whether :meth:`changed` writes after every turn (then a turn is kept only
+        once written)."""
+        ...
+
     async def changed(self, agent: Agent) -> None:
         """After a turn or a reset: save what changed (raise
         :class:`~mlx_actors.errors.StateWriteError` if it could not be saved)."""
@@ -745,7 +751,7 @@ class Agent:
         # Commit the reply and its cache together: nothing awaits until the keeper. With
         # a keeper, the cache the turn started from is held until the turn is saved.
         before = self._messages, self._turns, self._cached_tokens, self._cached_blocks
-        saving = self._keeper is not None
+        saving = self._keeper is not None and self._keeper.saves_turns
         self._scheduler.commit(self.name, result.blocks, hold=saving, saving=saving)
         self._cached_tokens, self._cached_blocks = (
             result.blocks.num_tokens,
@@ -756,7 +762,8 @@ class Agent:
             Message(role="assistant", content=result.text, tool_calls=calls),
         ]
         self._turns += 1
-        if self._keeper is not None:
+        if saving:
+            assert self._keeper is not None
             # The turn is kept once saved; a caller who gave up meanwhile (a cancel, a
             # timeout) or a save that failed leaves the agent as it was before the turn,
             # its cache included (the turn's blocks go back to the pool).
@@ -769,7 +776,12 @@ class Agent:
                 if envelope.cancelled:
                     after = self._messages, self._turns, self._cached_tokens, self._cached_blocks
                     self._messages, self._turns = before[:2]
-                    if await self._save_undo():
+                    try:
+                        undone = await self._save_undo()
+                    except BaseException:
+                        self._undo_commit(before)
+                        raise
+                    if undone:
                         self._undo_commit(before)
                         return
                     # kept on disk: kept here too

@@ -433,9 +433,14 @@ class Runtime:
         except MlxActorsError as exc:  # leaving: nobody left to tell but the trace
             self.log.error("agent.save_failed", agent=agent.name, error=str(exc))
 
+    @property
+    def saves_turns(self) -> bool:
+        """The agents' keeper: whether :meth:`changed` saves after each turn."""
+        return self._state is not None and self._state.persist == "turn"
+
     async def changed(self, agent: Agent) -> None:
         """The agents' keeper: save an agent after each turn (``persist="turn"``)."""
-        if self._state is not None and self._state.persist == "turn":
+        if self.saves_turns:
             await self._keep(agent)
 
     # -- moving agents between runtimes (a cluster's replicas) ---------------------------

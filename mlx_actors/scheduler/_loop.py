@@ -619,10 +619,14 @@ class EngineLoop:
         self.turns.clear()
         self.waiting.clear()
         self.engine.close()
+        # Each cache once: a commit left over may bring blocks an agent already holds
+        # (the one that ends a hold while a turn is saved), or come twice.
+        freed = {id(b) for e in self.agents.values() for b in (e.blocks, e.kept) if b is not None}
         for entry in self.agents.values():
             self._free_entry(entry)
         for command in leftovers:
-            if isinstance(command, (Release, Commit)):
+            if isinstance(command, (Release, Commit)) and id(command.blocks) not in freed:
+                freed.add(id(command.blocks))
                 self.pool.free(command.blocks.blocks())
         final = self.snapshot()
         for command in leftovers:
