@@ -45,6 +45,19 @@ def records_on_disk(state: Path, name: str) -> list[dict[str, str]]:
 # -- 1. a turn its caller gave up on is not kept -------------------------------------------
 
 
+def giving_up(monkeypatch: pytest.MonkeyPatch) -> anyio.Event:
+    """An event set as soon as a caller gives up on a request (a timeout, a cancel)."""
+    gave_up = anyio.Event()
+    cancel = Envelope.cancel
+
+    def cancel_and_tell(self: Envelope) -> None:
+        cancel(self)
+        gave_up.set()
+
+    monkeypatch.setattr(Envelope, "cancel", cancel_and_tell)
+    return gave_up
+
+
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
 async def test_a_turn_given_up_while_it_is_saved_is_rolled_back(
     tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
@@ -52,14 +65,8 @@ async def test_a_turn_given_up_while_it_is_saved_is_rolled_back(
     """The caller gives up exactly while the finished turn is being saved: the turn is
     undone, in memory and on disk, and a retry does not duplicate the message."""
     state = tmp_path / "state"
-    gave_up = anyio.Event()
+    gave_up = giving_up(monkeypatch)
     saving = anyio.Event()
-    cancel = Envelope.cancel
-
-    def cancel_and_tell(self: Envelope) -> None:
-        cancel(self)
-        gave_up.set()
-
     save = _state.StateDir.save
 
     async def slow_save(self: _state.StateDir, record: _state.AgentRecord) -> None:
@@ -68,7 +75,6 @@ async def test_a_turn_given_up_while_it_is_saved_is_rolled_back(
             await gave_up.wait()  # the disk is slow: the caller gives up meanwhile
         await save(self, record)
 
-    monkeypatch.setattr(Envelope, "cancel", cancel_and_tell)
     monkeypatch.setattr(_state.StateDir, "save", slow_save)
     async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
         ann = await rt.spawn("ann", max_tokens=8)
@@ -97,15 +103,8 @@ async def test_a_turn_given_up_while_saved_whose_undo_fails_oddly_still_gives_ba
 ) -> None:
     """As above, and saving the undone agent raises an error nobody expected: the turn's
     blocks still go back, and the agent is not left counted as busy."""
-    gave_up = anyio.Event()
-    cancel = Envelope.cancel
-
-    def cancel_and_tell(self: Envelope) -> None:
-        cancel(self)
-        gave_up.set()
-
+    gave_up = giving_up(monkeypatch)
     save = _state.StateDir.save
-
     fires: list[str] = []
 
     async def failing_save(self: _state.StateDir, record: _state.AgentRecord) -> None:
@@ -116,7 +115,6 @@ async def test_a_turn_given_up_while_saved_whose_undo_fails_oddly_still_gives_ba
             raise RuntimeError("the disk caught fire")
         await save(self, record)
 
-    monkeypatch.setattr(Envelope, "cancel", cancel_and_tell)
     monkeypatch.setattr(_state.StateDir, "save", failing_save)
     options = dict(pool_blocks=100, log_level="off", state_dir=tmp_path / "state")
     async with Runtime(tiny_dir, **options) as rt:
@@ -576,13 +574,7 @@ async def test_a_turn_that_cannot_be_undone_is_kept_and_returned(
     """The caller timed out while the turn was saved, and the undo cannot be written:
     the turn stays on disk, so it is kept in memory too, and the caller gets it."""
     state = tmp_path / "state"
-    gave_up = anyio.Event()
-    cancel = Envelope.cancel
-
-    def cancel_and_tell(self: Envelope) -> None:
-        cancel(self)
-        gave_up.set()
-
+    gave_up = giving_up(monkeypatch)
     save = _state.StateDir.save
     saves = []
 
@@ -596,7 +588,6 @@ async def test_a_turn_that_cannot_be_undone_is_kept_and_returned(
         else:
             await save(self, record)
 
-    monkeypatch.setattr(Envelope, "cancel", cancel_and_tell)
     monkeypatch.setattr(_state.StateDir, "save", save_then_fail)
     async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
         ann = await rt.spawn("ann", max_tokens=8)
