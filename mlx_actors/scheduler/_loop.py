@@ -328,7 +328,7 @@ class EngineLoop:
                 processors=self._constraint(turn),
             )
         except PoolExhaustedError as exc:
-            own = {b.id: b for b in blocks.blocks()}.values() if blocks is not None else ()
+            own = blocks.blocks() if blocks is not None else ()  # distinct: one layer each
             raise _nothing_to_evict(exc, sum(self.pool.spec.units(b.layer) for b in own)) from None
         admission = self.engine.admission(uid)
         assert admission is not None
