@@ -15,6 +15,11 @@ cache gathered by one kernel launch whose inputs are those 96 arrays and a table
 of one input per block. The blocks' pieces are computed inside the timing, as the gather
 computes them.
 
+On every device it also measures a second layout (``slabs``): each layer's blocks as
+views of a few larger arrays ("slabs" of 1024 or 2048 tokens, as if each turn's new
+blocks were cut as one array), gathered by today's code with the consecutive pieces of
+one slab merged into one part. It bounds what cutting blocks that way would give.
+
     python benchmarks/gather.py [--sizes 2048 4096 8192] [--iters 50]
 """
 
@@ -30,7 +35,8 @@ import mlx.core as mx
 
 from mlx_actors.scheduler import AgentBlocks, BlockPool, LayerKind, LayerSpec, ModelCacheSpec
 from mlx_actors.scheduler._blocks import pieces, to_cache
-from mlx_actors.scheduler._gather import concatenate, kernel_available
+from mlx_actors.scheduler._gather import Part, concatenate, kernel_available
+from mlx_actors.scheduler._pool import KVBlock
 from mlx_actors.scheduler._spec import BLOCK_SIZE, blocks_for_layer
 
 GEMMA3_12B = ModelCacheSpec(
@@ -112,6 +118,7 @@ def run(tokens: int, iters: int) -> dict[str, object]:
     n = timed(concatenated, iters)
     c = timed(copy, iters)
     arena = arena_probe(blocks, tokens, iters, nbytes, c) if kernel_available() else None
+    slabs = {size: slab_probe(blocks, tokens, iters, nbytes, c, size) for size in (1024, 2048)}
     pool.free(blocks.blocks())
     g_stats, n_stats, c_stats = percentiles(g), percentiles(n), percentiles(c)
     g_gbs = nbytes / (g_stats["p50_ms"] / 1e3) / 1e9
@@ -127,6 +134,7 @@ def run(tokens: int, iters: int) -> dict[str, object]:
         "concatenate_fraction_of_copy_bandwidth": n_gbs / c_gbs,
         "gather_equals_concatenate": same,
         "arena": arena,
+        "slabs": slabs,
     }
 
 
@@ -223,7 +231,14 @@ def arena_probe(
         layers = spec.num_layers
         return [a for i in range(layers) for a in (outs[i], outs[layers + i])]
 
-    want = [a for c in to_cache(spec, blocks, tokens) for a in (c.keys, c.values)]
+    return probe(gather, blocks, tokens, iters, nbytes, copy)
+
+
+def probe(  # type: ignore[no-untyped-def]
+    gather, blocks: AgentBlocks, tokens: int, iters: int, nbytes: int, copy: list[float]
+) -> dict[str, object]:
+    """Time another layout's ``gather`` against the copy; check it equals ``to_cache``."""
+    want = [a for c in to_cache(GEMMA3_12B, blocks, tokens) for a in (c.keys, c.values)]
     same = all(mx.array_equal(a, b).item() for a, b in zip(gather(), want, strict=True))
     stats = percentiles(timed(gather, iters))
     gbs = nbytes / (stats["p50_ms"] / 1e3) / 1e9
@@ -234,6 +249,45 @@ def arena_probe(
         "fraction_of_copy_bandwidth": gbs / copy_gbs,
         "equals_gather": same,
     }
+
+
+def slab_probe(
+    blocks: AgentBlocks, tokens: int, iters: int, nbytes: int, copy: list[float], size: int
+) -> dict[str, object]:
+    """Each layer's blocks copied into slabs of ``size`` tokens (not timed); the cache
+    gathered from the slabs, consecutive pieces of one slab as one part."""
+    from mlx_actors.scheduler._gather import gather as gather_parts
+
+    spec = GEMMA3_12B
+    slab: dict[int, tuple[mx.array, mx.array, int]] = {}
+    for layer_blocks in blocks.layers:
+        groups: dict[int, list[KVBlock]] = {}
+        for b in layer_blocks:
+            groups.setdefault(b.start // size, []).append(b)
+        for group in groups.values():
+            k = mx.concatenate([b.keys for b in group if b.keys is not None], axis=2)
+            v = mx.concatenate([b.values for b in group if b.values is not None], axis=2)
+            for b in group:
+                slab[b.id] = (k, v, group[0].start)
+    mx.eval([a for k, v, _ in slab.values() for a in (k, v)])
+
+    def gather() -> list[mx.array]:
+        out: list[mx.array] = []
+        for layer in pieces(spec, blocks, tokens):
+            parts_k: list[Part] = []
+            parts_v: list[Part] = []
+            for b, a, z in layer:
+                k, v, start = slab[b.id]
+                if parts_k and parts_k[-1][0] is k and parts_k[-1][3] == a:
+                    parts_k[-1] = (*parts_k[-1][:3], z)
+                    parts_v[-1] = (*parts_v[-1][:3], z)
+                else:
+                    parts_k.append((k, start, a, z))
+                    parts_v.append((v, start, a, z))
+            out += gather_parts(parts_k, parts_v)
+        return out
+
+    return probe(gather, blocks, tokens, iters, nbytes, copy)
 
 
 def check(cases: int = 200) -> int:
