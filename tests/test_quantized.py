@@ -89,6 +89,23 @@ async def test_replies_match_mlx_lm_quantized_alone_batched_and_shared(
 
 
 @pytest.mark.anyio
+async def test_a_setting_other_than_the_directorys_is_refused_in_words(
+    wide: Loaded, tmp_path: Path
+) -> None:
+    async with Runtime(wide.path, pool_blocks=8, log_level="off", state_dir=tmp_path):
+        pass
+    with pytest.raises(
+        ModelMismatchError,
+        match="holds caches unquantized, and this runtime keeps them quantized to 8 bits in "
+        "groups of 64;",
+    ):
+        async with Runtime(
+            wide.path, pool_blocks=8, log_level="off", state_dir=tmp_path, kv_bits=8
+        ):
+            pass
+
+
+@pytest.mark.anyio
 async def test_evicted_and_restarted_quantized_caches_come_back_exactly(
     wide: Loaded, tmp_path: Path
 ) -> None:
@@ -110,7 +127,11 @@ async def test_evicted_and_restarted_quantized_caches_come_back_exactly(
         assert reply.usage.cached_tokens > 0  # from the quantized blocks on disk
     record = json.loads((tmp_path / "runtime.json").read_text())
     assert record["kv_cache"] == {"bits": 4, "group_size": 32}  # the device's path not in it
-    with pytest.raises(ModelMismatchError, match="quantized as 4-bit"):
+    with pytest.raises(
+        ModelMismatchError,
+        match="holds caches quantized to 4 bits in groups of 32, and this runtime keeps them "
+        "quantized to 8 bits in groups of 32;",
+    ):
         async with Runtime(wide.path, **{**options, "kv_bits": 8}):
             pass
 
@@ -254,7 +275,7 @@ async def test_gemma_with_quantized_global_layers_equals_mlx_lm(
     async with Runtime(gemma.path, **options) as rt:
         await converse(rt.agent("a1"), ["After the restart?"])
         assert (await rt.agent("a1").ask("Once more.")).usage.cached_tokens > 0
-    with pytest.raises(ModelMismatchError, match=f"quantized as {bits}-bit"):
+    with pytest.raises(ModelMismatchError, match=f"holds caches quantized to {bits} bits"):
         async with Runtime(gemma.path, **{**options, "kv_bits": 12 - bits}):
             pass
 

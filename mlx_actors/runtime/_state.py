@@ -123,7 +123,7 @@ class AgentRecord:
 def _kv(setting: object) -> str:
     """How a ``kv_cache`` record reads in an error."""
     if isinstance(setting, dict):
-        return f"{setting.get('bits')}-bit in groups of {setting.get('group_size')}"
+        return f"quantized to {setting.get('bits')} bits in groups of {setting.get('group_size')}"
     return "unquantized"
 
 
@@ -216,7 +216,7 @@ class StateDir:
             )
         if recorded is not None and known.get("kv_cache") != kv_cache:
             raise ModelMismatchError(
-                f"{self.path} holds caches quantized as {_kv(known.get('kv_cache'))}, and this "
+                f"{self.path} holds caches {_kv(known.get('kv_cache'))}, and this "
                 f"runtime keeps them {_kv(kv_cache)}; open it with the same kv_bits and "
                 "kv_group_size, or choose another state_dir"
             )
