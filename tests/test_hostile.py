@@ -628,3 +628,60 @@ async def test_spawning_while_the_old_agents_turn_is_saved_waits(
             tg.start_soon(release)
             new = await rt.spawn("ann", max_tokens=8)  # waits for the close, not an error
         assert rt.agent("ann") is new and new.history == ()
+
+
+async def test_a_caller_cancelled_as_its_turn_finishes_gets_the_reply_or_finds_it_undone(
+    tiny_dir: Path,
+) -> None:
+    """A's caller is cancelled from B's stream in the engine step where both finish (no
+    state directory): before, A's agent took the reply while its caller, already
+    cancelled, had not run yet, so the caller saw a cancel and the agent kept the turn."""
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off") as rt:
+        for trial in range(3):
+            a = await rt.spawn(f"a{trial}", max_tokens=1)
+            b = await rt.spawn(f"b{trial}", max_tokens=1)
+            got: list[Any] = []
+            async with anyio.create_task_group() as tg:
+                scope = anyio.CancelScope()
+
+                async def ask_a(
+                    scope: anyio.CancelScope = scope, a: Any = a, got: list[Any] = got
+                ) -> None:
+                    with scope:
+                        got.append(await a.ask("Hello"))
+
+                tg.start_soon(ask_a)
+                async with b.stream("Hellp") as pieces:  # as long as A's: the same steps
+                    async for _ in pieces:
+                        scope.cancel()
+                        break
+            if got:  # the reply was returned: kept
+                assert [m.content for m in a.history] == ["Hello", got[0].text]
+            else:  # the caller went away: as if never asked
+                assert a.history == () and a.statistics().cached_blocks == 0
+            await a.close()
+            await b.close()
+        assert (await rt.stats()).pool.used_blocks == 0  # every block came back
+
+
+async def test_a_stream_that_finished_in_time_is_not_timed_out_by_a_slow_reader(
+    tiny_dir: Path,
+) -> None:
+    """The timeout covers the turn, not the reading of the pieces it already made: a
+    reader still reading after the deadline gets every piece, and the turn is kept."""
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off") as rt:
+        ann = await rt.spawn("ann", max_tokens=12)
+        got = []
+        async with ann.stream("Tell me a story", timeout=1.0) as pieces:
+            async for piece in pieces:
+                got.append(piece)
+                if len(got) == 1:
+                    await ann.tell("(noted)")  # handled after the turn: it has finished
+                    assert len(ann.history) == 3, "the turn did not finish within 1 s"
+                    await anyio.sleep(1.1)  # the reader is slow: past the turn's deadline
+        assert "".join(got) == pieces.reply.text
+        assert [m.content for m in ann.history] == [
+            "Tell me a story",
+            pieces.reply.text,
+            "(noted)",
+        ]

@@ -237,6 +237,14 @@ class Envelope:
     deadline: float = math.inf
     #: The requests, still running, that sent this one (see ``_handling``).
     senders: tuple[Envelope, ...] = ()
+    #: An ask's reply is made and on its way, with the turn's blocks: the agent keeps
+    #: the cache the turn started from until the caller takes the reply (``receipt``
+    #: True: the blocks are committed at once) or turns out to have gone (False: the
+    #: turn is undone), then sets ``settled``.
+    delivering: AgentBlocks | None = None
+    receipt: bool | None = None
+    received: anyio.Event = attrs.field(factory=anyio.Event)
+    settled: anyio.Event = attrs.field(factory=anyio.Event)
 
     def deadline_in(self) -> float | None:
         """Seconds left before the turn's timeout (``None``: no timeout)."""
@@ -284,9 +292,19 @@ class Envelope:
                     return self.reply
                 raise self.timeout_error() from None
             raise
+        self.take(True)  # no await since the wait: the caller has it
         if self.error is not None:
             raise self.error
         return self.reply
+
+    def take(self, taken: bool) -> None:
+        """Say whether the caller took a reply on its way (see ``delivering``). Taken,
+        the turn's blocks are committed now, before anything the caller does next."""
+        if self.delivering is not None and self.receipt is None:
+            self.receipt = taken
+            if taken:
+                self.agent._scheduler.commit(self.agent.name, self.delivering)
+            self.received.set()
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -298,11 +316,16 @@ class Envelope:
             self.finish()
 
     async def abandon(self) -> None:
-        """Cancel the turn and wait until the agent is back as it was before it."""
+        """Cancel the turn and wait until the agent is back as it was before it (a reply
+        made but not yet taken is undone too, where it can be)."""
         if not self.done.is_set():
             self.cancel()
             with anyio.CancelScope(shield=True):
                 await self.done.wait()
+        if self.delivering is not None:
+            self.take(False)
+            with anyio.CancelScope(shield=True):
+                await self.settled.wait()
 
     def arrived(self) -> None:
         """The turn reached the scheduler (or never will): no longer expected."""
@@ -347,6 +370,9 @@ class Agent:
         self.options = options
         self._tools = tuple(tools)
         self._format: ToolFormat | None = None
+        #: An ask's reply on its way to its caller: the agent before the turn (see
+        #: ``_deliver``).
+        self._delivering: tuple[list[Message], int, int, int] | None = None
         #: Grammars of required calls and tool-or-answer replies, compiled once each.
         self._grammars: dict[tuple[tuple[Tool, ...], str], str] = {}
         self._scheduler = scheduler
@@ -431,7 +457,9 @@ class Agent:
         ``logprobs``...) override the agent's defaults for this turn. ``timeout``
         (seconds) covers waiting in the mailbox too; on timeout the turn is cancelled,
         the agent is left as before it, and :class:`TurnTimeoutError` is raised.
-        Cancelling the caller cancels the turn the same way.
+        Cancelling the caller cancels the turn the same way. A turn is kept once the
+        agent has taken its reply: a cancel or a timeout that comes later (while the
+        caller is being woken with it) does not undo it.
 
         Raises:
             InvalidRequestError: empty or non-string text, bad settings.
@@ -685,6 +713,8 @@ class Agent:
                 envelope.error = self._closing or MlxActorsError("the turn was cancelled")
             _handling.reset(handling)
             envelope.finish()
+        if envelope.delivering is not None:
+            await self._deliver(envelope)
 
     async def _turn(self, envelope: Envelope) -> None:
         """One ask: the reply, and with tools every round of calls before it. Rounds
@@ -748,11 +778,14 @@ class Agent:
             if held:
                 self._scheduler.undo(self.name)
             raise
-        # Commit the reply and its cache together: nothing awaits until the keeper. With
-        # a keeper, the cache the turn started from is held until the turn is saved.
+        # Commit the reply and its cache together: nothing awaits until the keeper. The
+        # cache the turn started from is held until the turn is saved (with a keeper)
+        # and, for an ask, until its caller takes the reply (see ``_deliver``).
         before = self._messages, self._turns, self._cached_tokens, self._cached_blocks
         saving = self._keeper is not None and self._keeper.saves_turns
-        self._scheduler.commit(self.name, result.blocks, hold=saving, saving=saving)
+        delivering = envelope.push is None
+        hold = saving or delivering
+        self._scheduler.commit(self.name, result.blocks, hold=hold, saving=hold)
         self._cached_tokens, self._cached_blocks = (
             result.blocks.num_tokens,
             result.blocks.num_blocks,
@@ -786,7 +819,10 @@ class Agent:
                         return
                     # kept on disk: kept here too
                     self._messages, self._turns, self._cached_tokens, self._cached_blocks = after
-                self._scheduler.commit(self.name, result.blocks)  # frees the start's cache
+        if not delivering:
+            self._scheduler.commit(self.name, result.blocks)  # frees the start's cache
+        else:
+            envelope.delivering, self._delivering = result.blocks, before
         assert usage is not None
         envelope.reply = Reply(
             text=result.text,
@@ -862,6 +898,44 @@ class Agent:
                 self._grammars.clear()
             self._grammars[key] = grammar
         return grammar
+
+    async def _deliver(self, envelope: Envelope) -> None:
+        """An ask's reply is on its way: keep the turn once its caller takes it; undo
+        it if the caller went away first (it saw a cancel or a timeout, not the reply).
+        A closing agent keeps it."""
+        assert self._delivering is not None and envelope.delivering is not None
+        before, self._delivering = self._delivering, None
+        try:
+            await envelope.received.wait()
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    if envelope.receipt is None:  # closing: kept
+                        envelope.take(True)
+                    elif not envelope.receipt:
+                        if await self._undo_delivered(before):
+                            envelope.reply = None
+                        else:  # it stays
+                            self._scheduler.commit(self.name, envelope.delivering)
+                finally:
+                    envelope.settled.set()
+
+    async def _undo_delivered(self, before: tuple[list[Message], int, int, int]) -> bool:
+        """Undo a turn whose caller went away; ``False`` if it stays (saved to disk, and
+        saving the agent without it failed)."""
+        after = self._messages, self._turns, self._cached_tokens, self._cached_blocks
+        self._messages, self._turns = before[:2]
+        if self._keeper is not None and self._keeper.saves_turns:
+            try:
+                undone = await self._save_undo()
+            except BaseException:
+                self._undo_commit(before)
+                raise
+            if not undone:  # kept on disk: kept here too
+                self._messages, self._turns, self._cached_tokens, self._cached_blocks = after
+                return False
+        self._undo_commit(before)
+        return True
 
     def _undo_commit(self, before: tuple[list[Message], int, int, int]) -> None:
         """Take back a turn committed with ``hold``: the conversation and the cache are

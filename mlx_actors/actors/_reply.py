@@ -114,7 +114,10 @@ class TurnStream:
     it is exhausted, :attr:`reply` holds the whole :class:`Reply`. The turn is sent to
     the agent on entering ``async with`` (so several streams entered in a row arrive
     in that order), or else when iteration starts. Leaving the ``async with`` block
-    before the end cancels the turn, and the agent is left as it was before it.
+    before the turn has finished cancels it, and the agent is left as it was before
+    it. A turn that has finished is kept, whether or not all its text was read: its
+    pieces wait in the stream, and :attr:`reply` holds it. The ``timeout`` covers the
+    turn, not the reading of pieces it has already made.
     """
 
     def __init__(self, envelope: Envelope) -> None:
@@ -123,7 +126,7 @@ class TurnStream:
 
     @property
     def reply(self) -> Reply:
-        """The turn's reply; raises ``RuntimeError`` before the stream is exhausted."""
+        """The turn's reply; raises ``RuntimeError`` before the turn has finished."""
         if self._envelope.reply is None:
             raise RuntimeError("the turn has not finished: read the stream to its end first")
         return self._envelope.reply
@@ -137,7 +140,9 @@ class TurnStream:
             await envelope.send()
         assert self._pieces is not None
         try:
-            with anyio.fail_after(envelope.deadline_in()):
+            # Once the turn has finished, its pieces are all here: no deadline.
+            deadline = None if envelope.done.is_set() else envelope.deadline_in()
+            with anyio.fail_after(deadline):
                 return await self._pieces.receive()
         except anyio.EndOfStream:
             await envelope.outcome()
@@ -145,6 +150,8 @@ class TurnStream:
         except BaseException as exc:
             await envelope.abandon()
             if isinstance(exc, TimeoutError):
+                if envelope.reply is not None:  # it finished in time after all: kept
+                    return await self.__anext__()
                 raise envelope.timeout_error() from None
             raise
 
@@ -162,6 +169,6 @@ class TurnStream:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Cancel the turn if it is still running."""
+        """Cancel the turn if it has not finished (a finished one is kept)."""
         if self._envelope.sent and not self._envelope.done.is_set():
             await self._envelope.abandon()

@@ -115,10 +115,11 @@ class Cancel:
 @attrs.frozen
 class Commit:
     """The agent took the turn's result: its blocks become the agent's cache. With
-    ``hold``, the turn goes on (a round of tool calls, or its save): the cache it started
-    from is kept aside, for :class:`Undo`, until a commit without ``hold``. While it is
-    ``saving``, the turn still counts as in flight (it ends by itself, so others may
-    wait for the room it will give back)."""
+    ``hold``, the turn goes on (a round of tool calls, its save, or its reply on the way
+    to the caller): the cache it started from is kept aside, for :class:`Undo`, until a
+    commit without ``hold``. While it is ``saving`` (being saved, or delivered), the
+    turn still counts as in flight (it ends by itself, so others may wait for the room
+    it will give back)."""
 
     agent: str
     blocks: AgentBlocks
