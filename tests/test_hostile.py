@@ -23,6 +23,7 @@ from mlx_actors.errors import (
     InvalidRequestError,
     MlxActorsError,
     ModelIntegrityError,
+    RuntimeClosedError,
     StateWriteError,
     TurnTimeoutError,
     UnsupportedModelError,
@@ -685,3 +686,45 @@ async def test_a_stream_that_finished_in_time_is_not_timed_out_by_a_slow_reader(
             pieces.reply.text,
             "(noted)",
         ]
+
+
+async def test_leaving_the_runtime_while_a_fork_is_in_flight_fails_the_fork(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the fork started its agent after the closing runtime had listed the
+    agents to stop, and leaving ``async with Runtime`` waited for it forever."""
+    from mlx_actors.scheduler import Scheduler
+
+    forking, proceed = anyio.Event(), anyio.Event()
+    fork = Scheduler.fork
+
+    async def held_fork(self: Scheduler, parent: str, child: str) -> None:
+        forking.set()
+        await proceed.wait()
+        await fork(self, parent, child)
+
+    monkeypatch.setattr(Scheduler, "fork", held_fork)
+    state = tmp_path / "state"
+    outcome: list[Any] = []
+
+    async def try_fork(ann: Any) -> None:
+        try:
+            outcome.append(await ann.fork("bob"))
+        except MlxActorsError as exc:
+            outcome.append(exc)
+
+    async def release_once_closing() -> None:
+        await wait_all_tasks_blocked()  # the runtime waits for ann, ann for its fork
+        proceed.set()
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            async with Runtime(tiny_dir, pool_blocks=60, log_level="off", state_dir=state) as rt:
+                ann = await rt.spawn("ann", max_tokens=4)
+                await ann.ask("Hello")
+                tg.start_soon(try_fork, ann)
+                await forking.wait()
+                tg.start_soon(release_once_closing)
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeClosedError)
+    assert sorted(p.name for p in (state / "agents").iterdir()) == ["ann.json"]
+    assert sorted(p.name for p in (state / "caches").iterdir()) == ["_blocks", "ann"]

@@ -673,16 +673,21 @@ class Runtime:
         try:
             await self._scheduler.fork(parent.name, name)
             stats = parent.statistics()
-            agent = await self._start_agent(
-                name,
-                system=parent.system,
-                options=options,
-                mailbox_size=mailbox_size,
-                messages=[m for m in parent.history if m.role != "system"],
-                turns=stats.turns,
-                cached=(stats.cached_tokens, stats.cached_blocks),
-                tools=parent.tools,
-            )
+            try:
+                agent = await self._start_agent(
+                    name,
+                    system=parent.system,
+                    options=options,
+                    mailbox_size=mailbox_size,
+                    messages=[m for m in parent.history if m.role != "system"],
+                    turns=stats.turns,
+                    cached=(stats.cached_tokens, stats.cached_blocks),
+                    tools=parent.tools,
+                )
+            except BaseException:  # the runtime began to close meanwhile
+                with anyio.CancelScope(shield=True):
+                    await self._scheduler.forget(name, drop=True)
+                raise
         finally:
             self._claimed.discard(name)
         await self._first_save(agent)
@@ -708,6 +713,7 @@ class Runtime:
         )
 
     async def _start_agent(self, name: str, *, mailbox_size: int | None, **kwargs: Any) -> Agent:
+        self._check_running()  # a closing runtime stops only the agents it has already
         assert self._tg is not None
         agent = Agent(
             name,
