@@ -217,8 +217,12 @@ async def test_whatever_a_tool_raises_or_returns_the_model_is_told(
             return str(await future)
         raise GeneratorExit
 
+    def garbled() -> str:
+        """Return text with a lone surrogate, as a bad decode leaves it."""
+        return "caf\udce9"
+
     async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
-        agent = await rt.spawn("t", tools=[looked_up, deep, interrupted], max_tokens=120)
+        agent = await rt.spawn("t", tools=[looked_up, deep, interrupted, garbled], max_tokens=120)
         expected = {
             "looked_up": "bad arguments for looked_up: -1",
             "deep": "deep returned list, which is not JSON",
@@ -230,6 +234,9 @@ async def test_whatever_a_tool_raises_or_returns_the_model_is_told(
             (call,) = reply.tool_calls
             assert (call.error or "").startswith(error), call.error
             assert len(agent.history) == 4 * turn  # kept: user, call, result, answer
+        reply = await agent.ask("Go.", tool_choice="garbled")  # was a TypeError
+        assert reply.tool_calls[0].result == "caf\udce9"  # as returned; the model reads:
+        assert agent.history[-2].content == "caf\ufffd"
         assert not agent.closed and list(rt.agents) == ["t"]
         assert (await agent.ask("Still there?")).tool_calls == ()
 

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import inspect
 import json
+import re
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -241,7 +242,17 @@ async def run_call(call: ToolCall, tools: Mapping[str, Tool]) -> tuple[ToolCall,
 
     Async functions run on the event loop, others on a worker thread (abandoned if the
     turn is cancelled). An unknown tool, arguments the schema refuses, an exception, or
-    a result that is not JSON become an error the model reads, not a crash."""
+    a result that is not JSON become an error the model reads, not a crash. A lone
+    surrogate in that text (no tokenizer reads one) is shown as U+FFFD."""
+    done, text = await _run_call(call, tools)
+    return done, _SURROGATE.sub("\ufffd", text)
+
+
+#: A code point no UTF-8 text holds: half of a surrogate pair.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+async def _run_call(call: ToolCall, tools: Mapping[str, Tool]) -> tuple[ToolCall, str]:
     if call.error is not None:  # the model's text could not be read as a call
         return call, f"Error: {call.error}"
     found = tools.get(call.name)
