@@ -356,6 +356,28 @@ async def test_bit_flips_in_records_are_corrupt_state(tiny_dir: Path, tmp_path: 
         assert len(rt.agent("ann").history) == 5
 
 
+async def test_a_record_with_text_no_model_can_read_is_corrupt_state(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A lone surrogate (JSON can spell one) in a record with a good checksum: before,
+    it loaded, and every turn then failed with the tokenizer's ``TypeError``."""
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann"], range(1))
+    path = state / "agents" / "ann.json"
+    good = json.loads(path.read_text())
+    for field in ("message", "system"):
+        record = {k: v for k, v in good.items() if k != "sha256"}
+        if field == "message":
+            record["messages"][0] = {**record["messages"][0], "content": "hel\ud800lo"}
+        else:
+            record["system"] = "You are \udfff."
+        path.write_text(json.dumps(_disk.with_digest(record)))
+        with pytest.raises(CorruptStateError, match=r"ann\.json.*not valid Unicode"):
+            async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state):
+                pass
+
+
 # -- 10. every error is typed ----------------------------------------------------------------
 
 

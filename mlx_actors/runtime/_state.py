@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -106,9 +107,13 @@ class AgentRecord:
             turns = data["turns"]
             if isinstance(turns, bool) or not isinstance(turns, int) or turns < 0:
                 raise ValueError(f"turns is {turns!r}")
+            system = None if data["system"] is None else _text(data["system"])
+            for what, value in (("the system prompt", system), ("a message", messages)):
+                _check_unicode(what, value)
+            _check_unicode("a tool's description", tools)
             return cls(
                 name=name,
-                system=None if data["system"] is None else _text(data["system"]),
+                system=system,
                 options=TurnOptions(**{**options, "stop": tuple(stop)}),
                 messages=messages,
                 turns=turns,
@@ -131,6 +136,15 @@ def _text(value: object) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{value!r} is not text")
     return value
+
+
+def _check_unicode(what: str, value: object) -> None:
+    """Raise ``ValueError`` if text in ``value`` (JSON data) holds a lone surrogate, which
+    JSON can spell but no tokenizer reads (the API refuses such text)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode (a lone surrogate)") from exc
 
 
 class StateDir:
