@@ -185,6 +185,24 @@ async def test_another_model_is_refused_and_the_directory_left_untouched(
     assert snapshot(state) == before
 
 
+async def test_without_its_runtime_record_a_directory_with_caches_is_refused(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Before, a missing ``runtime.json`` let a model of the same shape read another's
+    caches (wrong greedy output) and then record itself as their maker."""
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann"], range(1))
+    (state / "runtime.json").unlink()
+    before = snapshot(state)
+    other = write_random_model(tmp_path / "other", tiny_config(), seed=99)  # same shape
+    for model in (other, tiny_dir):
+        with pytest.raises(CorruptStateError, match=r"runtime\.json is missing, yet"):
+            async with Runtime(model, pool_blocks=100, log_level="off", state_dir=state):
+                pass
+    assert snapshot(state) == before
+
+
 async def test_a_corrupt_cache_is_a_clear_error_then_the_agent_starts_over(
     tiny: Loaded, tiny_dir: Path, tmp_path: Path
 ) -> None:

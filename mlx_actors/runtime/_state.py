@@ -138,6 +138,13 @@ def _text(value: object) -> str:
     return value
 
 
+def _holds_state(agents: Path, caches: Path) -> bool:
+    """Whether the directories hold an agent record, a cache or a chunk (files left by a
+    write that did not finish do not count)."""
+    found = [*files_in(agents), *files_in(caches / BLOCKS), *dirs_in(caches)]
+    return any(p.name != BLOCKS and not p.name.endswith(".tmp") for p in found)
+
+
 def _check_unicode(what: str, value: object) -> None:
     """Raise ``ValueError`` if text in ``value`` (JSON data) holds a lone surrogate, which
     JSON can spell but no tokenizer reads (the API refuses such text)."""
@@ -236,8 +243,14 @@ class StateDir:
             )
         for path in (self._agents, self.path / "caches", self.path / "caches" / BLOCKS):
             real_dir(path, self.path)
-        # What a process killed in the middle of a write left behind.
         caches = self.path / "caches"
+        if not known and _holds_state(self._agents, caches):
+            raise CorruptStateError(
+                f"{marker} is missing, yet {self.path} holds agents or caches: which model "
+                "made them is unknown, and another model must not read them; put the file "
+                "back, or choose another state_dir"
+            )
+        # What a process killed in the middle of a write left behind.
         for folder in [self._agents, *dirs_in(caches)]:
             for leftover in files_in(folder):
                 if leftover.name.startswith(".") and leftover.name.endswith(".tmp"):
