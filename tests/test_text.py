@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from mlx_actors import Runtime
 from mlx_actors.scheduler._text import TextStream
 
 from .conftest import Loaded
@@ -19,7 +22,7 @@ def stream_of(tiny: Loaded, text: str, stops: tuple[str, ...] = ()) -> tuple[lis
         pieces.append(piece)
         if matched:
             break
-    pieces.append(stream.finish())
+    pieces.append(stream.finish()[0])
     return pieces, stream.text
 
 
@@ -47,8 +50,19 @@ def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot(tiny: Lo
     shown = [stream.add(t, eos=False)[0] for t in tiny.tokenizer.encode("abEN")]
     assert "".join(shown) == "ab"  # "EN" could still become "END"
     assert stream.add(tiny.tokenizer.encode("x")[0], eos=False) == ("ENx", False)
-    assert stream.finish() == ""
+    assert stream.finish() == ("", False)
     assert stream.text == "abENx"
+
+
+def test_a_stop_completed_by_text_the_detokenizer_held_back_is_a_stop(tiny: Loaded) -> None:
+    """mlx-lm's BPE detokenizer holds a lone space until the next token: a stop ending
+    in one is found only when the stream is flushed (the engine then says "stop", not
+    "length", for a turn its ``max_tokens`` ended there)."""
+    stream = TextStream(tiny.tokenizer.detokenizer, ("x ",))
+    shown = [stream.add(t, eos=False) for t in tiny.tokenizer.encode("ab x ")]
+    assert shown[-1] == ("", False)  # the space is held by the detokenizer
+    assert stream.finish() == ("", True)
+    assert stream.text == "ab "
 
 
 def test_an_end_of_sequence_token_adds_no_text(tiny: Loaded) -> None:
@@ -59,3 +73,17 @@ def test_an_end_of_sequence_token_adds_no_text(tiny: Loaded) -> None:
     stream.add(eos, eos=True)
     stream.finish()
     assert stream.text == "hi"
+
+
+@pytest.mark.anyio
+async def test_a_turn_whose_last_token_completes_a_stop_ends_with_stop(tiny_dir: Path) -> None:
+    bias = {ord("x"): 50.0, ord(" "): 50.0}  # the model writes only "x" and " "
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off") as rt:
+        agent = await rt.spawn("a", logit_bias=bias)
+        free = await agent.ask("Hello", max_tokens=40)
+        n = bytes(free.tokens).find(b"x ") + 2  # one token per byte
+        assert n >= 2, free.text
+        await agent.reset()
+        reply = await agent.ask("Hello", stop="x ", max_tokens=n)  # its last token: " "
+        assert reply.tokens == free.tokens[:n]
+        assert (reply.text, reply.finish_reason) == (free.text[: free.text.find("x ")], "stop")

@@ -681,7 +681,10 @@ class BlockPoolBatchEngine:
         if matched:
             finish = "stop"
         if finish is not None:
-            piece += seq.text.finish()
+            last, matched = seq.text.finish()
+            piece += last
+            if matched:  # held back until now (the last token's text): a stop after all
+                finish = "stop"
         if seq.on_token is not None:
             seq.on_token(TokenEvent(uid=seq.uid, token=token, text=piece, logprob=logprob))
         return finish

@@ -29,14 +29,16 @@ class TextStream:
             self._detokenizer.add_token(token)
         return self._advance(str(self._detokenizer.text), final=False)
 
-    def finish(self) -> str:
-        """Flush what was held back; returns the last piece and sets :attr:`text`."""
+    def finish(self) -> tuple[str, bool]:
+        """Flush what was held back (a detokenizer may hold text until the next token,
+        mlx-lm's BPE one a lone space); returns the last piece and whether a stop string
+        was completed only now, and sets :attr:`text`."""
         if self._end is None:
             self._detokenizer.finalize()
-            piece, _ = self._advance(str(self._detokenizer.text), final=True)
+            piece, matched = self._advance(str(self._detokenizer.text), final=True)
             self.text = str(self._detokenizer.text)[: self._emitted]
-            return piece
-        return ""
+            return piece, matched
+        return "", False
 
     def _advance(self, text: str, *, final: bool) -> tuple[str, bool]:
         start = self._emitted
