@@ -520,7 +520,8 @@ class Agent:
 
     async def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and free the cache, after
-        the turns already in the mailbox."""
+        the turns already in the mailbox. Cancelling the caller withdraws a reset still
+        waiting there; one the agent has begun completes."""
         self._check_loop()
         envelope = Envelope(agent=self, kind="reset")
         await envelope.send()
