@@ -545,3 +545,27 @@ async def test_a_shared_block_stays_while_a_turn_in_flight_reads_it(
         assert list(again.tokens) == chat.turn(render(tiny.tokenizer, ann.history[:6]), 8)
         stats = await rt.stats()
         assert stats.pool.used_blocks == stats.resident_blocks
+
+
+@pytest.mark.anyio
+async def test_idle_agents_that_share_every_block_are_evicted_together(tiny_dir: Path) -> None:
+    """A parent and its fork share all their blocks: evicting either alone frees
+    nothing. Before, neither was evicted and a third agent's turn was refused with
+    ``PoolExhaustedError`` with no turn in flight; both now go to disk and come back
+    exactly."""
+
+    async def run(pool_blocks: int) -> tuple[list[tuple[int, ...]], int]:
+        async with Runtime(tiny_dir, pool_blocks=pool_blocks, log_level="off") as rt:
+            ann = await rt.spawn("ann", max_tokens=4)
+            replies = [(await ann.ask("word " * 110)).tokens]  # 3 blocks a layer
+            bob = await ann.fork("bob")  # the same 9 blocks
+            cid = await rt.spawn("cid", max_tokens=4)
+            replies.append((await cid.ask("hello " * 50)).tokens)  # needs 6 of 12
+            for agent in (bob, ann):
+                replies.append((await agent.ask("And then?")).tokens)
+            return replies, (await rt.stats()).evictions
+
+    tight, evictions = await run(12)
+    roomy, none = await run(100)
+    assert evictions >= 2 and none == 0
+    assert tight == roomy

@@ -21,7 +21,7 @@ from ..errors import (
 from ._constraint import Constraint, grammar_tokenizer
 from ._engine import BlockPoolBatchEngine
 from ._image import CacheImage, make_blocks, stored_ids, take_image
-from ._pool import AgentBlocks
+from ._pool import AgentBlocks, KVBlock
 from ._protocol import (
     SHUTDOWN,
     Adopt,
@@ -372,18 +372,23 @@ class EngineLoop:
 
     def _evict_one(self, exclude: str) -> bool:
         """Move the least recently used idle agent's cache to disk, among those whose
-        cache holds a block nobody else does (evicting the others frees nothing)."""
-        idle = [
-            (entry.last_used, name)
+        cache holds a block nobody else does; failing that, among those holding a block
+        that only idle agents hold (a parent and its fork: evicting them all frees it).
+        Evicting any other frees nothing."""
+        idle = {
+            name: entry
             for name, entry in self.agents.items()
+            if entry.blocks is not None and not entry.busy_or_holding() and name != exclude
+        }
+        alone = [
+            (entry.last_used, name)
+            for name, entry in idle.items()
             if entry.blocks is not None
-            and not entry.busy_or_holding()
-            and name != exclude
             and any(self.pool.references(b) == 1 for b in entry.blocks.blocks())
         ]
-        if not idle:
+        name = min(alone)[1] if alone else self._evictable_together(idle)
+        if name is None:
             return False
-        _, name = min(idle)
         entry = self.agents[name]
         assert entry.blocks is not None
         started = time.perf_counter()
@@ -402,6 +407,24 @@ class EngineLoop:
         )
         self.outbox.append(("evicted", name, image))
         return True
+
+    def _evictable_together(self, idle: dict[str, _Entry]) -> str | None:
+        """The least recently used of the ``idle`` agents holding a block that no one
+        else holds (no turn, no other agent), if any."""
+        holders: collections.Counter[int] = collections.Counter()
+        blocks: dict[int, KVBlock] = {}
+        for entry in idle.values():
+            assert entry.blocks is not None
+            for block in entry.blocks.blocks():
+                holders[block.id] += 1
+                blocks[block.id] = block
+        freed = {i for i, n in holders.items() if self.pool.references(blocks[i]) == n}
+        candidates = [
+            (entry.last_used, name)
+            for name, entry in idle.items()
+            if entry.blocks is not None and any(b.id in freed for b in entry.blocks.blocks())
+        ]
+        return min(candidates)[1] if candidates else None
 
     def _restore(self, agent: str, entry: _Entry, image: CacheImage) -> None:
         started = time.perf_counter()
