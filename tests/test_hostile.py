@@ -750,3 +750,33 @@ async def test_leaving_the_runtime_while_a_fork_is_in_flight_fails_the_fork(
     assert len(outcome) == 1 and isinstance(outcome[0], RuntimeClosedError)
     assert sorted(p.name for p in (state / "agents").iterdir()) == ["ann.json"]
     assert sorted(p.name for p in (state / "caches").iterdir()) == ["_blocks", "ann"]
+
+
+async def test_a_tell_or_fork_whose_caller_saw_a_cancel_is_not_kept(tiny_dir: Path) -> None:
+    """Callers cancelled after 0 to 11 checkpoints (no state directory): before, a cancel
+    that reached the caller as the agent handled its request left the message told, or
+    the fork alive, though the caller saw a cancel."""
+    async with Runtime(tiny_dir, pool_blocks=40, log_level="off") as rt:
+        for kind in ("tell", "fork"):
+            for n in range(12):
+                ann = await rt.spawn(f"{kind}{n}", max_tokens=4)
+                scope = anyio.CancelScope()
+
+                async def cancel_after(n: int = n, scope: anyio.CancelScope = scope) -> None:
+                    for _ in range(n):
+                        await anyio.lowlevel.checkpoint()
+                    scope.cancel()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(cancel_after)
+                    with scope:
+                        if kind == "tell":
+                            await ann.tell("Remember this.")
+                        else:
+                            await ann.fork(f"child{n}")
+                kept = len(ann.history) == 1 if kind == "tell" else f"child{n}" in rt.agents
+                assert kept != scope.cancelled_caught, (kind, n, kept)
+                await ann.close()
+        assert (await rt.stats()).pool.used_blocks == sum(
+            a.statistics().cached_blocks for a in rt.agents.values()
+        )

@@ -10,7 +10,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import anyio
@@ -237,11 +237,12 @@ class Envelope:
     deadline: float = math.inf
     #: The requests, still running, that sent this one (see ``_handling``).
     senders: tuple[Envelope, ...] = ()
-    #: An ask's reply is made and on its way, with the turn's blocks: the agent keeps
-    #: the cache the turn started from until the caller takes the reply (``receipt``
-    #: True: the blocks are committed at once) or turns out to have gone (False: the
-    #: turn is undone), then sets ``settled``.
-    delivering: AgentBlocks | None = None
+    #: Done, and on its way to the caller (an ask, a tell, a fork): the agent can still
+    #: undo it until the caller takes the outcome (``receipt`` True: ``keep`` runs at
+    #: once, before anything the caller does next) or turns out to have gone (False:
+    #: it is undone), then sets ``settled``.
+    delivering: bool = False
+    keep: Callable[[], None] | None = None
     receipt: bool | None = None
     received: anyio.Event = attrs.field(factory=anyio.Event)
     settled: anyio.Event = attrs.field(factory=anyio.Event)
@@ -298,12 +299,11 @@ class Envelope:
         return self.reply
 
     def take(self, taken: bool) -> None:
-        """Say whether the caller took a reply on its way (see ``delivering``). Taken,
-        the turn's blocks are committed now, before anything the caller does next."""
-        if self.delivering is not None and self.receipt is None:
+        """Say whether the caller took the outcome on its way (see ``delivering``)."""
+        if self.delivering and self.receipt is None:
             self.receipt = taken
-            if taken:
-                self.agent._scheduler.commit(self.agent.name, self.delivering)
+            if taken and self.keep is not None:
+                self.keep()
             self.received.set()
 
     def cancel(self) -> None:
@@ -322,7 +322,7 @@ class Envelope:
             self.cancel()
             with anyio.CancelScope(shield=True):
                 await self.done.wait()
-        if self.delivering is not None:
+        if self.delivering:
             self.take(False)
             with anyio.CancelScope(shield=True):
                 await self.settled.wait()
@@ -370,9 +370,8 @@ class Agent:
         self.options = options
         self._tools = tuple(tools)
         self._format: ToolFormat | None = None
-        #: An ask's reply on its way to its caller: the agent before the turn (see
-        #: ``_deliver``).
-        self._delivering: tuple[list[Message], int, int, int] | None = None
+        #: How to undo the request on its way to its caller (see ``_deliver``).
+        self._undo_delivered: Callable[[], Awaitable[bool]] | None = None
         #: Grammars of required calls and tool-or-answer replies, compiled once each.
         self._grammars: dict[tuple[tuple[Tool, ...], str], str] = {}
         self._scheduler = scheduler
@@ -457,9 +456,9 @@ class Agent:
         ``logprobs``...) override the agent's defaults for this turn. ``timeout``
         (seconds) covers waiting in the mailbox too; on timeout the turn is cancelled,
         the agent is left as before it, and :class:`TurnTimeoutError` is raised.
-        Cancelling the caller cancels the turn the same way. A turn is kept once the
-        agent has taken its reply: a cancel or a timeout that comes later (while the
-        caller is being woken with it) does not undo it.
+        Cancelling the caller cancels the turn the same way, even when the cancel
+        meets the finished turn on its way back: a turn is kept only once its caller
+        has the reply.
 
         Raises:
             InvalidRequestError: empty or non-string text, bad settings.
@@ -714,7 +713,7 @@ class Agent:
                 envelope.error = self._closing or MlxActorsError("the turn was cancelled")
             _handling.reset(handling)
             envelope.finish()
-        if envelope.delivering is not None:
+        if envelope.delivering:
             await self._deliver(envelope)
 
     async def _turn(self, envelope: Envelope) -> None:
@@ -822,8 +821,9 @@ class Agent:
                     self._messages, self._turns, self._cached_tokens, self._cached_blocks = after
         if not delivering:
             self._scheduler.commit(self.name, result.blocks)  # frees the start's cache
-        else:
-            envelope.delivering, self._delivering = result.blocks, before
+        else:  # commits at once when taken (that frees the start's cache)
+            keep = functools.partial(self._scheduler.commit, self.name, result.blocks)
+            self._delivered(envelope, functools.partial(self._undo_turn, envelope, before), keep)
         assert usage is not None
         envelope.reply = Reply(
             text=result.text,
@@ -900,12 +900,22 @@ class Agent:
             self._grammars[key] = grammar
         return grammar
 
+    def _delivered(
+        self,
+        envelope: Envelope,
+        undo: Callable[[], Awaitable[bool]],
+        keep: Callable[[], None] | None = None,
+    ) -> None:
+        """``envelope`` is done: it goes to its caller, ``undo`` at hand (see
+        :meth:`_deliver`); ``keep`` runs when the caller takes it."""
+        envelope.delivering, envelope.keep, self._undo_delivered = True, keep, undo
+
     async def _deliver(self, envelope: Envelope) -> None:
-        """An ask's reply is on its way: keep the turn once its caller takes it; undo
-        it if the caller went away first (it saw a cancel or a timeout, not the reply).
+        """A request's outcome is on its way: keep it once its caller takes it; undo it
+        if the caller went away first (it saw a cancel or a timeout, not the outcome).
         A closing agent keeps it."""
-        assert self._delivering is not None and envelope.delivering is not None
-        before, self._delivering = self._delivering, None
+        undo, self._undo_delivered = self._undo_delivered, None
+        assert undo is not None
         try:
             await envelope.received.wait()
         finally:
@@ -914,15 +924,23 @@ class Agent:
                     if envelope.receipt is None:  # closing: kept
                         envelope.take(True)
                     elif not envelope.receipt:
-                        if await self._undo_delivered(before):
-                            envelope.reply = None
-                        else:  # it stays
-                            self._scheduler.commit(self.name, envelope.delivering)
+                        await self._undo_or_keep(envelope, undo)
                 finally:
                     envelope.settled.set()
 
-    async def _undo_delivered(self, before: tuple[list[Message], int, int, int]) -> bool:
-        """Undo a turn whose caller went away; ``False`` if it stays (saved to disk, and
+    async def _undo_or_keep(self, envelope: Envelope, undo: Callable[[], Awaitable[bool]]) -> None:
+        try:
+            undone = await undo()
+        except Exception as exc:  # the caller is gone, and the agent goes on
+            self._log.error("agent.undo_failed", agent=self.name, error=repr(exc))
+            return
+        if not undone and envelope.keep is not None:
+            envelope.keep()  # it stays
+
+    async def _undo_turn(
+        self, envelope: Envelope, before: tuple[list[Message], int, int, int]
+    ) -> bool:
+        """Undo an ask whose caller went away; ``False`` if it stays (saved to disk, and
         saving the agent without it failed)."""
         after = self._messages, self._turns, self._cached_tokens, self._cached_blocks
         self._messages, self._turns = before[:2]
@@ -936,6 +954,7 @@ class Agent:
                 self._messages, self._turns, self._cached_tokens, self._cached_blocks = after
                 return False
         self._undo_commit(before)
+        envelope.reply = None
         return True
 
     def _undo_commit(self, before: tuple[list[Message], int, int, int]) -> None:
@@ -966,6 +985,14 @@ class Agent:
                 await child.close()
                 return
         envelope.forked = child
+        self._delivered(envelope, functools.partial(self._unfork, envelope))
+
+    async def _unfork(self, envelope: Envelope) -> bool:
+        """Close a fork whose caller went away."""
+        child, envelope.forked = envelope.forked, None
+        assert child is not None
+        await child.close()
+        return True
 
     async def _tell(self, envelope: Envelope) -> None:
         assert envelope.message is not None
@@ -982,6 +1009,17 @@ class Agent:
                     after, self._messages = self._messages, before
                     if not await self._save_undo():
                         self._messages = after
+        if self._messages is not before:
+            self._delivered(envelope, functools.partial(self._untell, before))
+
+    async def _untell(self, before: list[Message]) -> bool:
+        """Take back a message whose caller went away; ``False`` if it stays (saved,
+        and saving the agent without it failed)."""
+        after, self._messages = self._messages, before
+        if self._keeper is not None and not await self._save_undo():
+            self._messages = after
+            return False
+        return True
 
     async def _reset(self) -> None:
         before = self._messages
