@@ -79,6 +79,7 @@ async def test_evicted_caches_come_back_exactly(
         tiny_dir, pool_blocks=14, host_bytes=host_bytes, log_level="off", trace=trace
     ) as rt:
         tight = await converse(rt, names, range(3))
+        await rt.flush()  # the last evictions' files are written in the background
         stats = await rt.stats()
         on_disk = sorted(a.name for a in rt.agents.values() if a.statistics().on_disk)
         assert rt.cache_dir is not None
