@@ -6,6 +6,8 @@ largest batch. Pass a file name ending in .json as a second argument to also wri
 Chrome trace (open it in ui.perfetto.dev).
 
     python examples/fan_out.py [MODEL] [TRACE.json]
+
+(``-`` as MODEL: the default model, for a trace file without a model.)
 """
 
 import sys
@@ -18,7 +20,7 @@ QUESTION = "Name one thing every city needs, and say why in one sentence."
 
 
 async def main() -> None:
-    async with Runtime(MODEL, trace=TRACE) as rt:
+    async with Runtime(MODEL, trace=TRACE, log_level="info") as rt:  # info: every turn
         panel = [
             await rt.spawn(
                 f"panelist{i}",

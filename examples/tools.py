@@ -4,7 +4,9 @@ verdict is a pydantic model the script branches on.
     python examples/tools.py [MODEL]
 
 The default model (SmolLM2-135M) seldom calls a tool on its own, so the clerk is told to
-(``tool_choice``): its first reply is then a call, and it answers from the result.
+(``tool_choice``): its first reply is then a call, and it answers from the result. A
+model that small often only echoes the result it was shown, markup and all
+(``<tool_response>``); a larger model (its path as MODEL) answers from it.
 """
 
 import sys
@@ -54,7 +56,9 @@ async def main(model: str | None) -> None:
             print(f"clerk called {call.name}({call.arguments}) -> {call.result!r}")
         print("clerk:", answer.text)
         summary = await clerk.ask("What does debate.py do? One sentence.", tool_choice="read_file")
-        print("clerk read", summary.tool_calls[0].arguments, "->", summary.text)
+        (call,) = summary.tool_calls
+        print(f"clerk read {call.arguments} ({len(call.result or '')} characters)")
+        print("clerk:", summary.text)
 
         judge = await rt.spawn("judge", system="You check a clerk's answers.", max_tokens=96)
         question = f"The clerk said 12.5 times 8 is: {answer.text}\nIs that correct?"

@@ -780,3 +780,27 @@ async def test_a_tell_or_fork_whose_caller_saw_a_cancel_is_not_kept(tiny_dir: Pa
         assert (await rt.stats()).pool.used_blocks == sum(
             a.statistics().cached_blocks for a in rt.agents.values()
         )
+
+
+async def test_misuse_gets_typed_errors_that_say_what_happened(tiny_dir: Path) -> None:
+    """Reading a stream's reply too early or after leaving it, spawning after the
+    runtime ended, ``run`` inside a running event loop (a notebook): before, a bare
+    ``RuntimeError``, or advice to use ``async with`` to one who did."""
+    from mlx_actors import run
+
+    async def main() -> None:
+        pass
+
+    with pytest.raises(InvalidRequestError, match="notebook"):
+        run(main)
+    async with Runtime(tiny_dir, pool_blocks=40, log_level="off") as rt:
+        ann = await rt.spawn("ann", max_tokens=30)
+        async with ann.stream("Tell me a story") as pieces:
+            with pytest.raises(InvalidRequestError, match="has not finished"):
+                pieces.reply  # noqa: B018
+        # left at once: the turn is cancelled, and the agent as it was
+        with pytest.raises(MlxActorsError, match="cancelled"):
+            pieces.reply  # noqa: B018
+        assert ann.history == ()
+    with pytest.raises(RuntimeClosedError, match="has shut down"):
+        await rt.spawn("bob")

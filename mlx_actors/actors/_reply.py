@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import attrs
 
+from ..errors import InvalidRequestError, MlxActorsError
 from ..scheduler import Usage
 from ._tools import ToolCall
 
@@ -126,10 +127,17 @@ class TurnStream:
 
     @property
     def reply(self) -> Reply:
-        """The turn's reply; raises ``RuntimeError`` before the turn has finished."""
-        if self._envelope.reply is None:
-            raise RuntimeError("the turn has not finished: read the stream to its end first")
-        return self._envelope.reply
+        """The turn's reply. Raises :class:`InvalidRequestError` before the turn has
+        finished, and the turn's error if it failed or was cancelled (the stream left
+        before it finished)."""
+        envelope = self._envelope
+        if envelope.reply is not None:
+            return envelope.reply
+        if envelope.done.is_set() and envelope.error is not None:
+            raise envelope.error
+        if envelope.done.is_set():
+            raise MlxActorsError("the turn was cancelled: the stream was left before it finished")
+        raise InvalidRequestError("the turn has not finished: read the stream to its end first")
 
     def __aiter__(self) -> TurnStream:
         return self

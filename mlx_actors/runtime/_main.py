@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 import anyio
 
+from ..errors import InvalidRequestError
+
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
@@ -27,7 +29,16 @@ def run(main: Callable[..., Awaitable[T]], *args: Any, backend: str = "asyncio")
     progress (a short one: prefills are paced), turns in flight are undone as on any
     cancel, and the process exits with status 130 after printing ``interrupted`` on
     stderr, with no traceback. Other errors propagate as they are.
+
+    Raises:
+        InvalidRequestError: an event loop already runs in this thread (a notebook):
+            there, ``await main(...)`` directly.
     """
+    if _loop_running():
+        raise InvalidRequestError(
+            "run() starts an event loop, and one already runs in this thread (a notebook "
+            "does that): there, await main(...) directly instead"
+        )
     try:
         return anyio.run(main, *args, backend=backend)
     except KeyboardInterrupt:
@@ -37,6 +48,22 @@ def run(main: Callable[..., Awaitable[T]], *args: Any, backend: str = "asyncio")
             raise
     print("interrupted", file=sys.stderr, flush=True)
     raise SystemExit(INTERRUPTED)
+
+
+def _loop_running() -> bool:
+    """Whether this thread already runs an event loop (asyncio's, or trio's)."""
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        pass
+    import trio  # here: a script on asyncio need not import it
+
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _interrupted(error: BaseException) -> bool:

@@ -392,7 +392,9 @@ class Runtime:
             raise failures[0]
 
     def _check_running(self) -> None:
-        if self._tg is None or self._closed:
+        if self._closed:
+            raise RuntimeClosedError("the runtime has shut down (its `async with` block ended)")
+        if self._tg is None:
             raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
 
     @property
