@@ -113,6 +113,14 @@ def test_fetch_model_command_prints_the_model_directory() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(default_model_dir())
+    # A GGUF path that is not there is an error even with the model cached (it was
+    # ignored, and the command said nothing).
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_actors", "fetch-model", "--gguf", "/nonexistent/x.gguf"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "no GGUF file at /nonexistent/x.gguf" in done.stderr
 
 
 # -- resolution, caching and failures (no network, tiny models) -------------------------

@@ -77,7 +77,9 @@ def default_model_dir(
         ModelIntegrityError: a file failed its checksum or is corrupt.
         ModelCacheError: the cache directory could not be written.
     """
-    if gguf is None and os.environ.get("MLX_ACTORS_GGUF"):
+    if gguf is not None:  # named here, so it must be there, cached model or not
+        _existing(Path(gguf).expanduser(), "GGUF file")
+    elif os.environ.get("MLX_ACTORS_GGUF"):
         gguf = os.environ["MLX_ACTORS_GGUF"]
     local_gguf = None if gguf is None else Path(gguf).expanduser()
     local_wheel = None if wheel is None else Path(wheel).expanduser()
