@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import re
 import tempfile
@@ -206,12 +207,19 @@ class Cluster:
                 )
 
     def _init_ray(self) -> None:
-        self._ray.init(
-            address=self._address,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+        # Called on a worker thread (it blocks): Ray then warns that it set no SIGTERM
+        # handler, which is as intended (the application's own handling stays).
+        worker = logging.getLogger("ray._private.worker")
+        worker.addFilter(_not_sigterm_notice)
+        try:
+            self._ray.init(
+                address=self._address,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        finally:
+            worker.removeFilter(_not_sigterm_notice)
 
     async def __aexit__(
         self,
@@ -682,3 +690,7 @@ async def _all(calls: Any) -> list[Any]:
     from ..actors import gather
 
     return await gather(*calls)
+
+
+def _not_sigterm_notice(record: logging.LogRecord) -> bool:
+    return "SIGTERM handler is not set" not in record.getMessage()
