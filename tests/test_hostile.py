@@ -253,6 +253,35 @@ async def test_links_in_the_state_directory_are_never_followed(
         assert snapshot(outside) == before
 
 
+async def test_folders_replaced_by_links_while_running_are_not_followed(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """``agents/`` and ``caches/_blocks/`` swapped for links to folders outside while the
+    runtime runs: before, records and chunks were written there, and an outside file
+    named like a chunk was deleted. Now each write or delete checks its folder first:
+    the save fails (typed), and nothing outside changes."""
+    state, outside = tmp_path / "state", tmp_path / "outside"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = await rt.spawn("ann", max_tokens=4)
+        await ann.ask("Hello")
+        for folder in ("agents", "blocks"):
+            (outside / folder).mkdir(parents=True)
+        for chunk in (state / "caches" / "_blocks").iterdir():  # a victim of the same name
+            (outside / "blocks" / chunk.name).write_text("keep me")
+        before = snapshot(outside)
+        for link, target in [
+            (state / "agents", outside / "agents"),
+            (state / "caches" / "_blocks", outside / "blocks"),
+        ]:
+            link.rename(link.with_name(link.name + ".real"))
+            link.symlink_to(target)
+        with pytest.raises(CorruptStateError, match="replaced"):
+            await ann.ask("Again?")
+        assert [m.content for m in ann.history][:1] == ["Hello"] and len(ann.history) == 2
+        await ann.close()
+        assert snapshot(outside) == before
+
+
 async def test_an_index_that_names_a_file_outside_is_corrupt(
     tiny_dir: Path, tmp_path: Path
 ) -> None:

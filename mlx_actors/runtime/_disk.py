@@ -111,6 +111,23 @@ def real_dir(path: Path, root: Path, *, create: bool = True) -> bool:
     return True
 
 
+def still_real(path: Path, root: Path) -> bool:
+    """Whether ``path`` is still a real directory under ``root``: no symbolic link has
+    replaced it, or a folder on the way, since the runtime began. Checked right before
+    each write or delete in it (the window between check and use stays)."""
+    try:
+        return real_dir(path, root, create=False)
+    except CorruptStateError:
+        return False
+
+
+def replaced(path: Path) -> CorruptStateError:
+    return CorruptStateError(
+        f"{path} was replaced (by a symbolic link, or removed) while the runtime ran; "
+        "nothing is written or deleted outside the state directory"
+    )
+
+
 def files_in(path: Path) -> list[Path]:
     """The regular files directly in ``path`` (links and directories left out)."""
     with os.scandir(path) as it:

@@ -30,6 +30,8 @@ from ._disk import (
     make_dir,
     read_json,
     real_dir,
+    replaced,
+    still_real,
     with_digest,
     write_json,
     writing,
@@ -312,6 +314,8 @@ class StateDir:
     async def save(self, record: AgentRecord) -> None:
         """Write the agent's record (:class:`StateWriteError` if it cannot be written)."""
         path = self._agents / f"{record.name}.json"
+        if not still_real(self._agents, self.path):
+            raise replaced(self._agents)
         try:
             await anyio.to_thread.run_sync(write_json, path, record.to_json())
         except OSError as exc:
@@ -319,6 +323,8 @@ class StateDir:
 
     async def delete(self, name: str) -> None:
         path = self._agents / f"{name}.json"
+        if not still_real(self._agents, self.path):
+            return  # the agents' folder is not there: nothing of it to delete here
         try:
             await anyio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
         except OSError as exc:

@@ -26,7 +26,9 @@ from ._disk import (
     read_json,
     read_safetensors,
     real_dir,
+    replaced,
     safetensors_bytes,
+    still_real,
     with_digest,
     write_atomic,
     write_json,
@@ -213,7 +215,8 @@ class DiskCacheStore:
                 for key in self._keys.pop(chunk, ()):
                     if self._content.get(key, "").startswith(f"{chunk}:"):
                         del self._content[key]
-                (self.blocks / chunk).unlink(missing_ok=True)
+                if still_real(self.blocks, self.root):
+                    (self.blocks / chunk).unlink(missing_ok=True)
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -293,6 +296,8 @@ class DiskCacheStore:
             meta = {"format": str(CACHE_FORMAT)}
             data = b"".join(safetensors_bytes(tensors, image.dtype, meta))
             sha = piecewise_sha256(data)
+            if not still_real(self.blocks, self.root):
+                raise replaced(self.blocks)
             write_atomic(self.blocks / chunk, data)
         except BaseException:
             with self._lock:
@@ -308,7 +313,8 @@ class DiskCacheStore:
     def _drop(self, agent: str) -> None:
         with self._lock:
             self._ensure_ready()
-            _remove(self.root / agent)
+            if still_real(self.root, self.root):
+                _remove(self.root / agent)
             self._release(agent, self._uses.pop(agent, set()))
 
     def _copy(self, agent: str, other: str) -> None:
@@ -339,7 +345,8 @@ class DiskCacheStore:
         one found corrupt."""
         with self._lock:
             self._forget(chunk)
-            (self.blocks / chunk).unlink(missing_ok=True)
+            if still_real(self.blocks, self.root):
+                (self.blocks / chunk).unlink(missing_ok=True)
 
     def _forget(self, chunk: str) -> None:
         """No save refers to ``chunk`` again (its blocks are written anew), and a save
