@@ -833,3 +833,38 @@ async def test_misuse_gets_typed_errors_that_say_what_happened(tiny_dir: Path) -
         assert ann.history == ()
     with pytest.raises(RuntimeClosedError, match="has shut down"):
         await rt.spawn("bob")
+
+
+async def test_a_later_turn_undone_in_the_state_directory_leaves_the_cache_before_it(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second turn given up while it is saved: the undo saves the agent with the cache
+    before the turn. Before, it saved the undone turn's cache beside the conversation
+    without it, and after a restart the agent's cache did not fit its conversation."""
+    gave_up = giving_up(monkeypatch)
+    save = _state.StateDir.save
+
+    async def slow_save(self: _state.StateDir, record: _state.AgentRecord) -> None:
+        if len(record.messages) == 4 and not gave_up.is_set():  # the second turn's save
+            await gave_up.wait()  # the disk is slow: the caller gives up meanwhile
+        await save(self, record)
+
+    monkeypatch.setattr(_state.StateDir, "save", slow_save)
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=12, log_level="off", state_dir=state) as rt:
+        ann = await rt.spawn("ann", max_tokens=8)
+        await ann.ask("Hello there " * 20)
+        with pytest.raises(TurnTimeoutError):
+            await ann.ask("And then? " * 30, timeout=2)
+        assert len(ann.history) == 2
+        index = json.loads((state / "caches" / "ann" / "index.json").read_text())
+        assert len(index["tokens"]) == ann.statistics().cached_tokens  # not the undone turn's
+        bob = await rt.spawn("bob", max_tokens=8)
+        await bob.ask("Make room " * 60)  # ann's cache goes to disk
+        assert ann.statistics().on_disk
+        again = await ann.ask("And then?")  # its cache comes back from disk
+        assert again.usage.cached_tokens > 0 and (await rt.stats()).restores > 0
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off") as rt:
+        ann = await rt.spawn("ann", max_tokens=8)
+        await ann.ask("Hello there " * 20)
+        assert (await ann.ask("And then?")).tokens == again.tokens

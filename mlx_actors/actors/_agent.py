@@ -371,7 +371,7 @@ class Agent:
         self._tools = tuple(tools)
         self._format: ToolFormat | None = None
         #: How to undo the request on its way to its caller (see ``_deliver``).
-        self._undo_delivered: Callable[[], Awaitable[bool]] | None = None
+        self._undo_delivered: Callable[[], Awaitable[None]] | None = None
         #: Grammars of required calls and tool-or-answer replies, compiled once each.
         self._grammars: dict[tuple[tuple[Tool, ...], str], str] = {}
         self._scheduler = scheduler
@@ -807,23 +807,13 @@ class Agent:
                     self._undo_commit(before)
                     raise
                 if envelope.cancelled:
-                    after = self._messages, self._turns, self._cached_tokens, self._cached_blocks
-                    self._messages, self._turns = before[:2]
-                    try:
-                        undone = await self._save_undo()
-                    except BaseException:
-                        self._undo_commit(before)
-                        raise
-                    if undone:
-                        self._undo_commit(before)
+                    if await self._take_back(before):
                         return
-                    # kept on disk: kept here too
-                    self._messages, self._turns, self._cached_tokens, self._cached_blocks = after
-        if not delivering:
-            self._scheduler.commit(self.name, result.blocks)  # frees the start's cache
-        else:  # commits at once when taken (that frees the start's cache)
-            keep = functools.partial(self._scheduler.commit, self.name, result.blocks)
-            self._delivered(envelope, functools.partial(self._undo_turn, envelope, before), keep)
+                    # kept on disk, so here too, over its start's cache: nothing to commit
+                else:
+                    self._commit_delivered(envelope, result.blocks, before, delivering)
+        else:
+            self._commit_delivered(envelope, result.blocks, before, delivering)
         assert usage is not None
         envelope.reply = Reply(
             text=result.text,
@@ -900,10 +890,25 @@ class Agent:
             self._grammars[key] = grammar
         return grammar
 
+    def _commit_delivered(
+        self,
+        envelope: Envelope,
+        blocks: AgentBlocks,
+        before: tuple[list[Message], int, int, int],
+        delivering: bool,
+    ) -> None:
+        """The turn's blocks become the agent's cache for good (its start's are freed)
+        now, or, for an ask, when its caller takes the reply."""
+        if not delivering:
+            self._scheduler.commit(self.name, blocks)
+            return
+        keep = functools.partial(self._scheduler.commit, self.name, blocks)
+        self._delivered(envelope, functools.partial(self._undo_turn, envelope, before), keep)
+
     def _delivered(
         self,
         envelope: Envelope,
-        undo: Callable[[], Awaitable[bool]],
+        undo: Callable[[], Awaitable[None]],
         keep: Callable[[], None] | None = None,
     ) -> None:
         """``envelope`` is done: it goes to its caller, ``undo`` at hand (see
@@ -924,38 +929,33 @@ class Agent:
                     if envelope.receipt is None:  # closing: kept
                         envelope.take(True)
                     elif not envelope.receipt:
-                        await self._undo_or_keep(envelope, undo)
+                        try:
+                            await undo()
+                        except Exception as exc:  # the caller is gone; the agent goes on
+                            self._log.error("agent.undo_failed", agent=self.name, error=repr(exc))
                 finally:
                     envelope.settled.set()
 
-    async def _undo_or_keep(self, envelope: Envelope, undo: Callable[[], Awaitable[bool]]) -> None:
-        try:
-            undone = await undo()
-        except Exception as exc:  # the caller is gone, and the agent goes on
-            self._log.error("agent.undo_failed", agent=self.name, error=repr(exc))
-            return
-        if not undone and envelope.keep is not None:
-            envelope.keep()  # it stays
-
     async def _undo_turn(
         self, envelope: Envelope, before: tuple[list[Message], int, int, int]
-    ) -> bool:
-        """Undo an ask whose caller went away; ``False`` if it stays (saved to disk, and
-        saving the agent without it failed)."""
-        after = self._messages, self._turns, self._cached_tokens, self._cached_blocks
-        self._messages, self._turns = before[:2]
-        if self._keeper is not None and self._keeper.saves_turns:
-            try:
-                undone = await self._save_undo()
-            except BaseException:
-                self._undo_commit(before)
-                raise
-            if not undone:  # kept on disk: kept here too
-                self._messages, self._turns, self._cached_tokens, self._cached_blocks = after
-                return False
+    ) -> None:
+        """Undo an ask whose caller went away (its reply stays if the state directory
+        keeps it: see :meth:`_take_back`)."""
+        if await self._take_back(before):
+            envelope.reply = None
+
+    async def _take_back(self, before: tuple[list[Message], int, int, int]) -> bool:
+        """Undo a turn committed with ``hold``: the conversation and the cache are those
+        before it, in the state directory too (the cache first, so that the save writes
+        that one). ``False`` if the directory keeps the turn (saving the agent without
+        it failed): then the conversation keeps it too, over the cache before it (a
+        prefix of it: the next turn prefills the rest)."""
+        after = self._messages, self._turns
         self._undo_commit(before)
-        envelope.reply = None
-        return True
+        if self._keeper is None or not self._keeper.saves_turns or await self._save_undo():
+            return True
+        self._messages, self._turns = after
+        return False
 
     def _undo_commit(self, before: tuple[list[Message], int, int, int]) -> None:
         """Take back a turn committed with ``hold``: the conversation and the cache are
@@ -987,12 +987,11 @@ class Agent:
         envelope.forked = child
         self._delivered(envelope, functools.partial(self._unfork, envelope))
 
-    async def _unfork(self, envelope: Envelope) -> bool:
+    async def _unfork(self, envelope: Envelope) -> None:
         """Close a fork whose caller went away."""
         child, envelope.forked = envelope.forked, None
         assert child is not None
         await child.close()
-        return True
 
     async def _tell(self, envelope: Envelope) -> None:
         assert envelope.message is not None
@@ -1012,14 +1011,12 @@ class Agent:
         if self._messages is not before:
             self._delivered(envelope, functools.partial(self._untell, before))
 
-    async def _untell(self, before: list[Message]) -> bool:
-        """Take back a message whose caller went away; ``False`` if it stays (saved,
-        and saving the agent without it failed)."""
+    async def _untell(self, before: list[Message]) -> None:
+        """Take back a message whose caller went away (it stays if saving the agent
+        without it failed)."""
         after, self._messages = self._messages, before
         if self._keeper is not None and not await self._save_undo():
             self._messages = after
-            return False
-        return True
 
     async def _reset(self) -> None:
         before = self._messages
