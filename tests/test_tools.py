@@ -589,3 +589,33 @@ async def test_tool_arguments_with_models_and_the_choice_checked_everywhere(tiny
         picky = await rt.spawn("p", tools=[draw], tool_choice="draw")
         with pytest.raises(InvalidRequestError):
             picky.use_tools([add])  # its default choice names a tool it would lose
+
+
+@pytest.mark.anyio
+async def test_a_call_that_could_not_be_read_stays_unread_after_a_restart(
+    model: Loaded, tmp_path: Path
+) -> None:
+    """A forced call cut by ``max_tokens``: it could not be read, so the model is shown
+    the text it wrote. Before, a restart lost the call's error and showed the model a
+    call of ``""`` it never made, and the next reply differed."""
+
+    async def next_reply(restart: bool) -> tuple[Any, tuple[Any, ...]]:
+        state = tmp_path / f"state-{restart}"
+        options: dict[str, Any] = dict(pool_blocks=200, log_level="off", state_dir=state)
+        async with Runtime(model.path, **options) as rt:
+            agent = await rt.spawn("calc", tools=[add], max_tokens=8)
+            await agent.ask("What is 2 + 3?", tool_choice="add", max_tool_rounds=0, max_tokens=20)
+            (call,) = agent.history[1].tool_calls
+            assert call.error is not None and "could not be read" in call.error
+            if not restart:
+                return await agent.ask("Next?"), agent.history
+        async with Runtime(model.path, **options) as rt:
+            agent = rt.agent("calc")
+            assert agent.history[1].tool_calls == (call,)
+            return await agent.ask("Next?"), agent.history
+
+    plain, history = await next_reply(restart=False)
+    restarted, restarted_history = await next_reply(restart=True)
+    assert restarted_history == history
+    assert restarted.tokens == plain.tokens
+    assert restarted.usage.cached_tokens == plain.usage.cached_tokens

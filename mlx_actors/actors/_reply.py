@@ -48,7 +48,12 @@ class Message:
     def from_dict(cls, data: Mapping[str, Any]) -> Message:
         """The message :meth:`as_dict` gave (``ValueError`` if it is not one)."""
         calls = tuple(
-            ToolCall(id=_text(c["id"]), name=_text(c["name"]), arguments=_object(c["arguments"]))
+            ToolCall(
+                id=_text(c["id"]),
+                name=_text(c["name"]),
+                arguments=_object(c["arguments"]),
+                error=None if c.get("error") is None else _text(c["error"]),
+            )
             for c in data.get("tool_calls", ())
         )
         name, call_id = data.get("name"), data.get("tool_call_id")

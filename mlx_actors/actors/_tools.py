@@ -75,7 +75,12 @@ class ToolCall:
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "name": self.name, "arguments": dict(self.arguments)}
+        """The call as agent records keep it (with ``error`` for one that could not be
+        read or run: a call that could not be read is not rendered as a call)."""
+        out = {"id": self.id, "name": self.name, "arguments": dict(self.arguments)}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
 
 
 def tool(
