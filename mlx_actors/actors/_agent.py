@@ -806,13 +806,11 @@ class Agent:
                 except BaseException:
                     self._undo_commit(before)
                     raise
-                if envelope.cancelled:
-                    if await self._take_back(before):
-                        return
-                    # kept on disk, so here too, over its start's cache: nothing to commit
-                else:
-                    self._commit_delivered(envelope, result.blocks, before, delivering)
-        else:
+                if envelope.cancelled and await self._take_back(before):
+                    return
+        # Kept on disk although its caller gave up: kept here too, over its start's
+        # cache (the take-back restored it), so nothing more to commit.
+        if not (saving and envelope.cancelled):
             self._commit_delivered(envelope, result.blocks, before, delivering)
         assert usage is not None
         envelope.reply = Reply(
@@ -1005,9 +1003,7 @@ class Agent:
                     self._messages = before
                     raise
                 if envelope.cancelled:  # the caller gave up: as if never told
-                    after, self._messages = self._messages, before
-                    if not await self._save_undo():
-                        self._messages = after
+                    await self._untell(before)
         if self._messages is not before:
             self._delivered(envelope, functools.partial(self._untell, before))
 
