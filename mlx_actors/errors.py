@@ -7,6 +7,7 @@ from collections.abc import Sequence
 __all__ = [
     "AgentClosedError",
     "CacheReconstructionError",
+    "ContextLengthError",
     "CorruptStateError",
     "EngineError",
     "InvalidRequestError",
@@ -34,6 +35,11 @@ class MlxActorsError(Exception):
 class InvalidRequestError(MlxActorsError, ValueError):
     """A request was malformed: empty or non-string text, ``max_tokens <= 0``, a prompt
     longer than the model's context or the whole block pool, a bad agent name..."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """A turn's conversation, with room for its reply, is longer than the model's
+    context or than the whole block pool could hold."""
 
 
 class PoolExhaustedError(MlxActorsError, MemoryError):

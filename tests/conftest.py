@@ -15,7 +15,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine, ModelCacheSpec
-from mlx_actors.testing import tiny_config, write_random_model
+from mlx_actors.testing import CHATML_TOOLS_TEMPLATE, tiny_config, write_random_model
 
 #: Sharpens the random model so that its greedy output depends on every cached token.
 INIT_SCALE = 4.0
@@ -48,6 +48,24 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         seed=7,
         init_scale=INIT_SCALE,
     )
+
+
+@pytest.fixture(scope="session")
+def native_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose chat template renders tools (Qwen 2.5's way)."""
+    return write_random_model(
+        tmp_path_factory.mktemp("models") / "tiny-tools",
+        tiny_config(num_hidden_layers=3),
+        seed=7,
+        init_scale=INIT_SCALE,
+        chat_template=CHATML_TOOLS_TEMPLATE,
+    )
+
+
+@pytest.fixture(scope="session", params=["native", "fallback"])
+def tools_model(request: pytest.FixtureRequest, native_dir: Path, tiny_dir: Path) -> Loaded:
+    """A model with a tools template, and one whose template knows nothing of tools."""
+    return load(native_dir if request.param == "native" else tiny_dir)
 
 
 @pytest.fixture(scope="session")
@@ -137,3 +155,13 @@ def render(tokenizer: Any, messages: Iterable[Any]) -> list[int]:
     """The chat template applied as the agents apply it."""
     conversation = [m.as_dict() if hasattr(m, "as_dict") else m for m in messages]
     return list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    return a + b

@@ -16,6 +16,7 @@ from anyio import wait_all_tasks_blocked
 from mlx_actors import Runtime
 from mlx_actors.errors import (
     AgentClosedError,
+    ContextLengthError,
     EngineError,
     InvalidRequestError,
     RuntimeClosedError,
@@ -466,7 +467,7 @@ async def test_bad_spawns_get_typed_errors(tiny_dir: Path) -> None:
 async def test_a_prompt_longer_than_the_context_fails_only_that_turn(tiny_dir: Path) -> None:
     async with runtime(tiny_dir) as rt:
         max_ = await rt.spawn("max", max_tokens=5)
-        with pytest.raises(InvalidRequestError, match="context"):
+        with pytest.raises(ContextLengthError, match="context"):
             await max_.ask("x" * 5000)
         assert max_.history == ()
         await max_.ask("short")

@@ -14,7 +14,9 @@ from .conftest import Loaded
 TEXT = "Grüße, 世界! 🙂 naïve café — ok"
 
 
-def stream_of(tiny: Loaded, text: str, stops: tuple[str, ...] = ()) -> tuple[list[str], str]:
+def stream_of(
+    tiny: Loaded, text: str, stops: tuple[str, ...] = ()
+) -> tuple[list[str], str, str | None]:
     stream = TextStream(tiny.tokenizer.detokenizer, stops)
     pieces = []
     for token in tiny.tokenizer.encode(text):  # one token per byte: characters arrive in parts
@@ -23,25 +25,26 @@ def stream_of(tiny: Loaded, text: str, stops: tuple[str, ...] = ()) -> tuple[lis
         if matched:
             break
     pieces.append(stream.finish()[0])
-    return pieces, stream.text
+    return pieces, stream.text, stream.stop
 
 
 def test_multibyte_characters_are_never_split(tiny: Loaded) -> None:
-    pieces, text = stream_of(tiny, TEXT)
-    assert text == TEXT
+    pieces, text, stop = stream_of(tiny, TEXT)
+    assert text == TEXT and stop is None
     assert "".join(pieces) == TEXT
     assert all("\ufffd" not in piece for piece in pieces)
     assert len(tiny.tokenizer.encode("🙂")) == 4  # the emoji really came in four tokens
 
 
 @pytest.mark.parametrize(
-    ("stops", "expected"), [(("世界",), "Grüße, "), (("ok", "🙂"), "Grüße, 世界! ")]
+    ("stops", "expected", "stop"),
+    [(("世界",), "Grüße, ", "世界"), (("ok", "🙂"), "Grüße, 世界! ", "🙂")],
 )
 def test_stop_strings_cut_the_text_and_are_never_shown(
-    tiny: Loaded, stops: tuple[str, ...], expected: str
+    tiny: Loaded, stops: tuple[str, ...], expected: str, stop: str
 ) -> None:
-    pieces, text = stream_of(tiny, TEXT, stops)
-    assert text == expected
+    pieces, text, matched = stream_of(tiny, TEXT, stops)
+    assert text == expected and matched == stop
     assert "".join(pieces) == expected
 
 

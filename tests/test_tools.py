@@ -21,9 +21,8 @@ from mlx_actors.actors import as_tools
 from mlx_actors.actors._tool_format import tool_format
 from mlx_actors.errors import InvalidRequestError, TurnTimeoutError
 from mlx_actors.runtime import load_model
-from mlx_actors.testing import CHATML_TOOLS_TEMPLATE, tiny_config, write_random_model
 
-from .conftest import INIT_SCALE, Loaded, load, reference
+from .conftest import Loaded, load, reference
 
 CALLS: list[tuple[int, int]] = []
 
@@ -39,22 +38,10 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-@pytest.fixture(scope="session")
-def native_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model whose chat template renders tools (Qwen 2.5's way)."""
-    return write_random_model(
-        tmp_path_factory.mktemp("models") / "tiny-tools",
-        tiny_config(num_hidden_layers=3),
-        seed=7,
-        init_scale=INIT_SCALE,
-        chat_template=CHATML_TOOLS_TEMPLATE,
-    )
-
-
-@pytest.fixture(scope="session", params=["native", "fallback"])
-def model(request: pytest.FixtureRequest, native_dir: Path, tiny_dir: Path) -> Loaded:
+@pytest.fixture
+def model(tools_model: Loaded) -> Loaded:
     """A model with a tools template, and one whose template knows nothing of tools."""
-    return load(native_dir if request.param == "native" else tiny_dir)
+    return tools_model
 
 
 def final_prompt(model: Loaded, agent: Any, upto: int) -> list[int]:

@@ -24,6 +24,7 @@ from ..errors import (
     AgentClosedError,
     InvalidRequestError,
     MlxActorsError,
+    ReplyFormatError,
     RuntimeClosedError,
     TurnTimeoutError,
 )
@@ -39,6 +40,7 @@ from ..scheduler import (
     parse_reply,
     schema_grammar,
 )
+from ._conversation import check_conversation, continue_from
 from ._render import Renderer, Rendering, renderer_for
 from ._reply import Message, Reply, TurnStream
 from ._tool_format import ToolFormat, tool_format
@@ -196,6 +198,17 @@ class Keeper(Protocol):
         ...
 
 
+@attrs.frozen
+class _Before:
+    """What a turn changes, as it was before the turn: what undoing it restores."""
+
+    messages: list[Message]
+    turns: int
+    cached: tuple[int, int]
+    system: str | None
+    tools: tuple[Tool, ...]
+
+
 #: The requests this task is handling, outermost first: the one its agent is running,
 #: and those whose tools sent it there. A tool (on the event loop or a worker thread)
 #: sees them too, so a request to one of their agents while it runs, which would wait
@@ -211,8 +224,12 @@ class Envelope:
     """A request in an agent's mailbox, and the caller's handle on its outcome."""
 
     agent: Agent
-    kind: Literal["ask", "reset", "fork", "tell"]
+    kind: Literal["ask", "respond", "reset", "fork", "tell"]
     text: str = ""
+    #: ``respond``'s conversation, system prompt and tools (in place of the agent's).
+    conversation: tuple[Message, ...] = ()
+    system: str | None = None
+    tools: tuple[Tool, ...] = ()
     options: TurnOptions | None = None
     #: ``tell``'s message.
     message: Message | None = None
@@ -263,7 +280,7 @@ class Envelope:
         """Put the envelope in the mailbox (waits while the mailbox is full)."""
         self.senders = self.agent._check_outside()
         self.sent = True
-        if self.kind == "ask":
+        if self.kind in ("ask", "respond"):
             self.agent._scheduler.announce(1)
             self.announced = True
         if self.timeout is not None:
@@ -496,6 +513,64 @@ class Agent:
         envelope.push, envelope.pieces = anyio.create_memory_object_stream[str](math.inf)
         return TurnStream(envelope)
 
+    async def respond(
+        self,
+        conversation: Sequence[Message],
+        *,
+        system: str | None = None,
+        tools: Sequence[Tool] = (),
+        timeout: float | None = None,  # noqa: ASYNC109 (as ask's)
+        schema: Any = None,
+        **settings: Unpack[TurnSettings],
+    ) -> Reply:
+        """Answer ``conversation``, a whole conversation as its caller keeps it (an HTTP
+        client's copy, say), in place of the agent's own.
+
+        The agent's conversation, system prompt and tools become the ones given, and
+        its cache is reused as far as the rendered conversation agrees with it, token
+        by token: a conversation that continues the agent's prefills only its new
+        messages; an edited or trimmed one goes back to where the two part. A message
+        that says what the agent's own says (an assistant reply as the caller was given
+        it: its text before its calls, and its calls) keeps the agent's own form, as
+        the model wrote it.
+
+        ``conversation`` holds :class:`Message` s of roles ``"user"``, ``"assistant"``
+        (with ``tool_calls`` it made), ``"tool"`` (a call's result, with the call's
+        ``tool_call_id``) and ``"system"``, and ends with a user or tool message.
+        ``tools`` (:class:`Tool` s; their functions, if any, are not used) are
+        described to the model, and the calls it writes are not run: they come back
+        as ``reply.pending_calls`` (``finish_reason="tool_calls"``), and their results
+        come as tool messages of the next conversation. With ``schema``,
+        ``reply.data`` is ``None`` if the reply was cut before its value was complete
+        (nothing is raised). Otherwise as :meth:`ask`.
+
+        Raises:
+            InvalidRequestError: a malformed conversation, tools or settings.
+            AgentClosedError, RuntimeClosedError, PoolExhaustedError, StateWriteError:
+                as for :meth:`ask`.
+        """
+        envelope = self._respond_envelope(conversation, system, tools, timeout, settings, schema)
+        await envelope.send()
+        reply = await envelope.outcome()
+        assert reply is not None
+        return reply
+
+    def respond_stream(
+        self,
+        conversation: Sequence[Message],
+        *,
+        system: str | None = None,
+        tools: Sequence[Tool] = (),
+        timeout: float | None = None,
+        schema: Any = None,
+        **settings: Unpack[TurnSettings],
+    ) -> TurnStream:
+        """Like :meth:`respond`, but gives the reply's text as it is generated (see
+        :meth:`stream`). The pieces are what the model writes, calls included."""
+        envelope = self._respond_envelope(conversation, system, tools, timeout, settings, schema)
+        envelope.push, envelope.pieces = anyio.create_memory_object_stream[str](math.inf)
+        return TurnStream(envelope)
+
     async def tell(self, text: str, *, role: Literal["user", "assistant"] = "user") -> None:
         """Add a message to the conversation without a reply, after the requests already
         in the mailbox: what other agents said, a document, a correction. Nothing runs
@@ -596,29 +671,54 @@ class Agent:
         kind: Literal["ask", "fork", "tell"] = "ask",
         schema: Any = None,
     ) -> Envelope:
-        if self._closing is not None:
-            raise self._closed_error()
-        self._check_loop()
+        self._check_open()
         text = check_text("text", text, self._scheduler.max_text_chars)
-        if timeout is not None and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not 0 < timeout < math.inf
-        ):
-            raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         options = self.options.override(**settings)
         if kind in ("ask", "fork"):
             check_tool_choice(options.tool_choice, self._tools)
-        grammar = schema_grammar(schema) if schema is not None else None
         return Envelope(
             agent=self,
             kind=kind,
             text=text,
             options=options,
-            timeout=timeout,
+            timeout=_check_timeout(timeout),
             schema=schema,
-            grammar=grammar,
+            grammar=schema_grammar(schema) if schema is not None else None,
         )
+
+    def _respond_envelope(
+        self,
+        conversation: Sequence[Message],
+        system: str | None,
+        tools: Sequence[Tool],
+        timeout: float | None,
+        settings: Mapping[str, Any],
+        schema: Any,
+    ) -> Envelope:
+        self._check_open()
+        limit = self._scheduler.max_text_chars
+        given = check_conversation(conversation, limit)
+        if system is not None and system != "":
+            check_text("system", system, limit)
+        made = as_tools(tools)
+        options = self.options.override(**settings)
+        check_tool_choice(options.tool_choice, made)
+        return Envelope(
+            agent=self,
+            kind="respond",
+            conversation=given,
+            system=system or None,
+            tools=made,
+            options=options,
+            timeout=_check_timeout(timeout),
+            schema=schema,
+            grammar=schema_grammar(schema) if schema is not None else None,
+        )
+
+    def _check_open(self) -> None:
+        if self._closing is not None:
+            raise self._closed_error()
+        self._check_loop()
 
     def _check_loop(self) -> None:
         """Refuse a call from another event loop than the runtime's: its wake-ups would
@@ -717,17 +817,23 @@ class Agent:
             await self._deliver(envelope)
 
     async def _turn(self, envelope: Envelope) -> None:
-        """One ask: the reply, and with tools every round of calls before it. Rounds
-        after the first commit their cache with ``hold``; if the ask fails, the agent's
-        cache is undone to the one it started from, and its conversation never changed."""
+        """One ask (or respond): the reply, and with tools every round of calls before
+        it. Rounds after the first commit their cache with ``hold``; if the ask fails,
+        the agent's cache is undone to the one it started from, and its conversation
+        never changed."""
         assert envelope.options is not None
         started = time.perf_counter()
         options = envelope.options
-        messages = [*self._messages, Message(role="user", content=envelope.text)]
+        responding = envelope.kind == "respond"
+        if responding:  # the caller's conversation, and it runs the calls
+            system, agent_tools, most_rounds = envelope.system, envelope.tools, 0
+            messages = continue_from(self._messages, envelope.conversation, self._tool_format())
+        else:  # tools as they are now: use_tools() changes the next turn
+            system, agent_tools, most_rounds = self.system, self._tools, options.max_tool_rounds
+            messages = [*self._messages, Message(role="user", content=envelope.text)]
         seed = options.seed
         if seed is not None and self.options.seed == seed:
             seed = (seed + self._turns) % SEEDS  # each of the agent's turns its own stream
-        agent_tools = self._tools  # as they are now: use_tools() changes the next turn
         tools = {t.name: t for t in agent_tools} if options.tool_choice != "none" else {}
         ran: list[ToolCall] = []
         usage: Usage | None = None
@@ -738,7 +844,7 @@ class Agent:
             for rounds in itertools.count():
                 turn = Turn(
                     agent=self.name,
-                    tokens=await self._tokens(messages, agent_tools),
+                    tokens=await self._tokens(messages, agent_tools, system),
                     max_tokens=options.max_tokens,
                     sampling=options.sampling(seed if rounds == 0 else _round_seed(seed, rounds)),
                     stop=options.stop,
@@ -758,7 +864,7 @@ class Agent:
                     if tools and not self._answered(envelope, result.text)
                     else ()
                 )
-                if not calls or rounds >= options.max_tool_rounds:
+                if not calls or rounds >= most_rounds:
                     break
                 self._scheduler.commit(self.name, result.blocks, hold=True)
                 loose, held = None, True
@@ -771,7 +877,7 @@ class Agent:
                     )
             data = None
             if envelope.schema is not None and not calls:
-                data = parse_reply(result.text, envelope.schema)
+                data = _data(result.text, envelope.schema, raises=not responding)
         except BaseException:
             if loose is not None:
                 self._scheduler.release(self.name, loose)
@@ -781,7 +887,7 @@ class Agent:
         # Commit the reply and its cache together: nothing awaits until the keeper. The
         # cache the turn started from is held until the turn is saved (with a keeper)
         # and, for an ask, until its caller takes the reply (see ``_deliver``).
-        before = self._messages, self._turns, self._cached_tokens, self._cached_blocks
+        before = self._snapshot()
         saving = self._keeper is not None and self._keeper.saves_turns
         delivering = envelope.push is None
         hold = saving or delivering
@@ -794,6 +900,8 @@ class Agent:
             *messages,
             Message(role="assistant", content=result.text, tool_calls=calls),
         ]
+        if responding:
+            self.system, self._tools = system, agent_tools
         self._turns += 1
         if saving:
             assert self._keeper is not None
@@ -813,10 +921,13 @@ class Agent:
         if not (saving and envelope.cancelled):
             self._commit_delivered(envelope, result.blocks, before, delivering)
         assert usage is not None
+        pending = tuple(c for c in calls if c.error is None)
         envelope.reply = Reply(
             text=result.text,
             tokens=result.tokens,
-            finish_reason="tool_calls" if calls else result.finish_reason,
+            finish_reason="tool_calls" if pending else result.finish_reason,
+            stop=result.stop,
+            pending_calls=pending,
             logprobs=result.logprobs,
             top_logprobs=result.top_logprobs,
             data=data,
@@ -826,7 +937,9 @@ class Agent:
             total_s=time.perf_counter() - started,
         )
 
-    async def _tokens(self, messages: list[Message], tools: Sequence[Tool]) -> list[int]:
+    async def _tokens(
+        self, messages: list[Message], tools: Sequence[Tool], system: str | None
+    ) -> list[int]:
         """The conversation rendered as the model reads it: on the event loop when it is
         short and the tokenizer is free, else on a worker thread.
 
@@ -834,16 +947,16 @@ class Agent:
             InvalidRequestError: the chat template refused the conversation.
         """
         lock = self._scheduler.tokenizer_lock
-        size = sum(len(m.content) for m in messages) + len(self.system or "")
+        size = sum(len(m.content) for m in messages) + len(system or "")
         size += sum(len(json.dumps(t.spec())) for t in tools)
         try:
             if size < RENDER_ON_LOOP and lock.acquire(blocking=False):  # quick, and free
                 try:
-                    return self._render(messages, tools, locked=True)
+                    return self._render(messages, tools, system, locked=True)
                 finally:
                     lock.release()
             return await anyio.to_thread.run_sync(
-                functools.partial(self._render, messages, tools), abandon_on_cancel=True
+                functools.partial(self._render, messages, tools, system), abandon_on_cancel=True
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(
@@ -892,7 +1005,7 @@ class Agent:
         self,
         envelope: Envelope,
         blocks: AgentBlocks,
-        before: tuple[list[Message], int, int, int],
+        before: _Before,
         delivering: bool,
     ) -> None:
         """The turn's blocks become the agent's cache for good (its start's are freed)
@@ -934,32 +1047,46 @@ class Agent:
                 finally:
                     envelope.settled.set()
 
-    async def _undo_turn(
-        self, envelope: Envelope, before: tuple[list[Message], int, int, int]
-    ) -> None:
+    async def _undo_turn(self, envelope: Envelope, before: _Before) -> None:
         """Undo an ask whose caller went away (its reply stays if the state directory
         keeps it: see :meth:`_take_back`)."""
         if await self._take_back(before):
             envelope.reply = None
 
-    async def _take_back(self, before: tuple[list[Message], int, int, int]) -> bool:
+    async def _take_back(self, before: _Before) -> bool:
         """Undo a turn committed with ``hold``: the conversation and the cache are those
         before it, in the state directory too (the cache first, so that the save writes
         that one). ``False`` if the directory keeps the turn (saving the agent without
         it failed): then the conversation keeps it too, over the cache before it (a
         prefix of it: the next turn prefills the rest)."""
-        after = self._messages, self._turns
+        after = self._snapshot()
         self._undo_commit(before)
         if self._keeper is None or not self._keeper.saves_turns or await self._save_undo():
             return True
-        self._messages, self._turns = after
+        self._restore(after, cache=False)
         return False
 
-    def _undo_commit(self, before: tuple[list[Message], int, int, int]) -> None:
+    def _undo_commit(self, before: _Before) -> None:
         """Take back a turn committed with ``hold``: the conversation and the cache are
         the ones before it."""
-        self._messages, self._turns, self._cached_tokens, self._cached_blocks = before
+        self._restore(before)
         self._scheduler.undo(self.name)
+
+    def _snapshot(self) -> _Before:
+        return _Before(
+            messages=self._messages,
+            turns=self._turns,
+            cached=(self._cached_tokens, self._cached_blocks),
+            system=self.system,
+            tools=self._tools,
+        )
+
+    def _restore(self, before: _Before, *, cache: bool = True) -> None:
+        """Put back what ``before`` holds (the cache's size only with ``cache``)."""
+        self._messages, self._turns = before.messages, before.turns
+        self.system, self._tools = before.system, before.tools
+        if cache:
+            self._cached_tokens, self._cached_blocks = before.cached
 
     async def _save_undo(self) -> bool:
         """Save the agent as it was before a turn its caller gave up on; ``False`` if
@@ -1027,20 +1154,36 @@ class Agent:
                     raise
 
     def _render(
-        self, messages: list[Message], tools: Sequence[Tool], *, locked: bool = False
+        self,
+        messages: list[Message],
+        tools: Sequence[Tool],
+        system: str | None,
+        *,
+        locked: bool = False,
     ) -> list[int]:
         """The conversation as the model reads it, under the tokenizer's lock (it is
         not thread-safe; ``locked``: the caller holds it). Only what changed since the
         last rendering is tokenised again."""
         extra: dict[str, Any] = {}
         if tools or any(m.role == "tool" or m.tool_calls for m in messages):
-            conversation, extra = self._tool_format().conversation(self.system, messages, tools)
+            conversation, extra = self._tool_format().conversation(system, messages, tools)
         else:
-            system = [Message(role="system", content=self.system)] if self.system else []
-            conversation = [m.as_dict() for m in (*system, *messages)]
+            head = [Message(role="system", content=system)] if system else []
+            conversation = [m.as_dict() for m in (*head, *messages)]
         with contextlib.nullcontext() if locked else self._scheduler.tokenizer_lock:
             self._rendering = self._renderer.render(conversation, self._rendering, **extra)
         return list(self._rendering.tokens)
+
+
+def _data(text: str, schema: Any, *, raises: bool) -> Any:
+    """The reply's value under ``schema``; unless ``raises``, ``None`` for a reply that
+    is not a complete value (instead of :class:`ReplyFormatError`)."""
+    try:
+        return parse_reply(text, schema)
+    except ReplyFormatError:
+        if raises:
+            raise
+        return None
 
 
 def _add_usage(total: Usage | None, more: Usage) -> Usage:
@@ -1054,6 +1197,16 @@ def _add_usage(total: Usage | None, more: Usage) -> Usage:
 def _round_seed(seed: int | None, rounds: int) -> int | None:
     """A later round's seed: its own stream, reproducible from the turn's."""
     return None if seed is None else (seed + 7919 * rounds) % SEEDS
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < math.inf
+    ):
+        raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    return timeout
 
 
 def check_text(what: str, text: object, limit: int | None = None) -> str:

@@ -88,7 +88,7 @@ class Reply:
     tokens: tuple[int, ...]
     #: ``"stop"`` (end of turn or a stop string), ``"length"`` (``max_tokens`` reached)
     #: or ``"tool_calls"`` (it called tools again after ``max_tool_rounds`` rounds of
-    #: calls: those calls did not run).
+    #: calls, or for :meth:`Agent.respond`: those calls did not run; ``pending_calls``).
     finish_reason: FinishReason
     #: Tokens prefilled, reused from the cache, and generated.
     usage: Usage
@@ -108,6 +108,11 @@ class Reply:
     #: ``result`` (or ``error``). ``text``, ``tokens`` and the log-probabilities are the
     #: final answer's; ``usage`` counts every round.
     tool_calls: tuple[ToolCall, ...] = ()
+    #: The stop string (of ``stop``) that ended the reply, if one did.
+    stop: str | None = None
+    #: With ``finish_reason="tool_calls"``: the calls the final reply wrote, not run (by
+    #: :meth:`Agent.respond`, whose caller runs them, or after ``max_tool_rounds``).
+    pending_calls: tuple[ToolCall, ...] = ()
 
     def __str__(self) -> str:
         return self.text

@@ -114,6 +114,17 @@ class ToolFormat:
         at = text.find(self.start)
         return text if at < 0 else text[:at].rstrip()
 
+    def written(self, text: str, calls: Sequence[ToolCall]) -> str:
+        """A reply of ``text`` then ``calls`` as the JSON format writes them (the form
+        a required call takes)."""
+        written = [
+            f"{self.start}\n"
+            f"{json.dumps({'name': c.name, 'arguments': dict(c.arguments)}, ensure_ascii=False)}"
+            f"\n{self.end}"
+            for c in calls
+        ]
+        return "\n".join([text, *written] if text else written)
+
     def calls(self, text: str, key: object, tools: Sequence[Tool]) -> tuple[ToolCall, ...]:
         """The calls written in ``text``, with ids made from ``key`` and their number
         (:func:`call_id`). A call that cannot be read is one with an ``error``, which

@@ -83,6 +83,8 @@ class RuntimeStatistics:
     restores: int
     #: Of ``restores``, those taken from host memory (``host_bytes``), not the files.
     memory_restores: int = 0
+    #: Bytes of evicted caches kept in host memory now (at most ``host_bytes``).
+    host_bytes: int = 0
 
 
 def _default_pool_bytes() -> int:
@@ -743,6 +745,32 @@ class Runtime:
             self.log.info("agent.closed", agent=agent.name)
 
     @property
+    def share_prefixes(self) -> bool:
+        """Whether agents share the cache blocks of what their conversations share
+        (``share_prefixes=``)."""
+        return bool(self._scheduler_options["share_prefixes"])
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (mlx-lm's ``TokenizerWrapper``; ``None`` before
+        entering). Agents use it on worker threads and it is not thread-safe: read its
+        settings, and decode with :meth:`token_texts`."""
+        return self._scheduler.tokenizer if self._tg is not None else None
+
+    async def token_texts(self, tokens: Sequence[int]) -> list[str]:
+        """Each token's text, decoded on its own (a token that is part of a character
+        reads as U+FFFD), on a worker thread under the tokenizer's lock."""
+        self._check_running()
+        scheduler = self._scheduler
+        ids = [int(t) for t in tokens]
+
+        def decode() -> list[str]:
+            with scheduler.tokenizer_lock:
+                return [str(scheduler.tokenizer.decode([t])) for t in ids]
+
+        return await anyio.to_thread.run_sync(decode)
+
+    @property
     def agents(self) -> Mapping[str, Agent]:
         """The live agents by name (a read-only view)."""
         return MappingProxyType(self._agents)
@@ -777,4 +805,5 @@ class Runtime:
             evictions=s.evictions,
             restores=s.restores,
             memory_restores=s.memory_restores,
+            host_bytes=s.host_bytes,
         )

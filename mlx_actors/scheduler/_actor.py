@@ -331,7 +331,9 @@ class Scheduler:
     async def statistics(self) -> SchedulerStatistics:
         """A consistent snapshot, taken on the engine thread after every earlier command."""
         if self._final is not None:
-            return attrs.evolve(self._final, memory_restores=self._host.hits)
+            return attrs.evolve(
+                self._final, memory_restores=self._host.hits, host_bytes=self._host.nbytes
+            )
         answer: list[SchedulerStatistics] = []
         ready = anyio.Event()
 
@@ -341,7 +343,9 @@ class Scheduler:
 
         self._put(Query(reply))
         await ready.wait()
-        return attrs.evolve(answer[0], memory_restores=self._host.hits)
+        return attrs.evolve(
+            answer[0], memory_restores=self._host.hits, host_bytes=self._host.nbytes
+        )
 
     async def idle_disk(self) -> None:
         """Wait until every disk operation asked for so far is done."""

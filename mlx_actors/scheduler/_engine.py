@@ -14,7 +14,13 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.generate import BatchGenerator
 
-from ..errors import EngineError, InvalidRequestError, MlxActorsError, PoolExhaustedError
+from ..errors import (
+    ContextLengthError,
+    EngineError,
+    InvalidRequestError,
+    MlxActorsError,
+    PoolExhaustedError,
+)
 from ._blocks import (
     blocks_needed,
     check_blocks,
@@ -303,7 +309,7 @@ class BlockPoolBatchEngine:
         total = kept + len(tokens)
         limit = self.spec.context_length
         if limit is not None and total >= limit:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"the prompt ({len(tokens)} new + {kept} cached tokens) leaves no room in "
                 f"the model's context of {limit} tokens; shorten the conversation"
             )
@@ -311,7 +317,7 @@ class BlockPoolBatchEngine:
         need = blocks_needed(self.spec, total + budget, kept)
         if need > self.pool.total_blocks:
             what = "blocks" if self.spec.max_units == 1 else "pool units"
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"the turn may need {need} {what} ({total} prompt tokens + {budget} new), "
                 f"more than the whole pool of {self.pool.total_blocks}; lower max_tokens, "
                 "shorten the conversation or give the runtime a larger pool"
@@ -933,6 +939,7 @@ class BlockPoolBatchEngine:
             agent_id=seq.agent_id,
             tokens=tuple(seq.generated),
             text=seq.text.text,
+            stop=seq.text.stop,
             logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
             top_logprobs=tuple(seq.top_logprobs) if seq.top else None,
             finish_reason=reason,

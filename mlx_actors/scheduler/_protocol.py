@@ -72,6 +72,8 @@ class SchedulerStatistics:
     restores: int
     #: Of ``restores``, those served from host memory instead of the files.
     memory_restores: int = 0
+    #: Bytes of evicted caches kept in host memory now.
+    host_bytes: int = 0
 
 
 class CacheStore(Protocol):

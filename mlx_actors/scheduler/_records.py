@@ -232,6 +232,8 @@ class CompletedGeneration:
     #: The generated text, without the end-of-sequence token or a matched stop string.
     text: str
     finish_reason: FinishReason
+    #: The stop string that ended the text, if one did.
+    stop: str | None = None
     #: Each generated token's log-probability (with ``Sampling.logprobs`` or
     #: ``top_logprobs``), and the most likely tokens' at each step (``top_logprobs``):
     #: ``(token, logprob)`` pairs, most likely first. After the logits processors,

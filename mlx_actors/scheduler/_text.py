@@ -17,6 +17,8 @@ class TextStream:
         self._end: int | None = None
         #: The final text, set by :meth:`finish`.
         self.text = ""
+        #: The stop string that ended the text, once one has.
+        self.stop: str | None = None
 
     def add(self, token: int, *, eos: bool) -> tuple[str, bool]:
         """Take one token (an end-of-sequence token adds no text).
@@ -42,9 +44,9 @@ class TextStream:
 
     def _advance(self, text: str, *, final: bool) -> tuple[str, bool]:
         start = self._emitted
-        hits = [i for i in (text.find(s, start) for s in self._stops) if i >= 0]
+        hits = [(i, s) for s in self._stops if (i := text.find(s, start)) >= 0]
         if hits:
-            end = min(hits)
+            end, self.stop = min(hits, key=lambda hit: hit[0])
             self._end = self._emitted = end
             self.text = text[:end]
             return text[start:end], True
