@@ -1,6 +1,6 @@
 """``python -m mlx_actors``: the ``mlx-actors`` command line."""
 
-from .runtime._cli import main
+from ._cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

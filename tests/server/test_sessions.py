@@ -1,0 +1,245 @@
+"""The server's sessions and edges: a stateless client reuses as much as a named session,
+sessions share nothing when told, are limited, expire, and survive a restart warm; API
+keys, body limits, metrics and the ``serve`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import openai
+import pytest
+
+from mlx_actors import Runtime
+from mlx_actors.server._sessions import session_agent
+
+from ..conftest import Loaded
+from .conftest import fetch, model, runtime, serving
+
+pytestmark = pytest.mark.anyio
+
+SYSTEM = "You are a careful assistant. " * 12
+QUESTIONS = ["Hello there.", "Tell me more.", "And then?"]
+HELLO: list[Any] = [{"role": "user", "content": "Hi."}]
+
+
+async def dialogue(client: openai.AsyncOpenAI, rt: Runtime, **naming: Any) -> list[Any]:
+    """The questions asked in turn, each request carrying the whole conversation."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    replies = []
+    for question in QUESTIONS:
+        messages.append({"role": "user", "content": question})
+        reply = await client.chat.completions.create(
+            model=model(rt), messages=messages, max_tokens=12, **naming
+        )
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        replies.append(reply)
+    return replies
+
+
+def cached(reply: Any) -> int:
+    return int(reply.usage.prompt_tokens_details.cached_tokens)
+
+
+async def test_a_stateless_client_reuses_what_a_named_session_does(tiny: Loaded) -> None:
+    async with runtime(tiny.path) as rt, serving(rt) as server:
+        named = await dialogue(server.openai, rt, prompt_cache_key="named")
+    async with runtime(tiny.path) as rt, serving(rt) as server:
+        anonymous = await dialogue(server.openai, rt)
+        other = await server.openai.chat.completions.create(
+            model=model(rt), messages=[{"role": "user", "content": "Unrelated."}], max_tokens=4
+        )
+        assert len(rt.agents) == 2  # the dialogue's agent, and one for the other request
+    assert [r.choices[0].message.content for r in anonymous] == [
+        r.choices[0].message.content for r in named
+    ]
+    assert sum(map(cached, anonymous)) >= 0.9 * sum(map(cached, named)) > 0
+    assert cached(other) <= 1  # "<|im_start|>" at most
+
+
+async def test_sessions_share_nothing_when_told(tiny: Loaded) -> None:
+    question = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi."}]
+    for share in (True, False):
+        async with runtime(tiny.path, share_prefixes=share) as rt, serving(rt) as server:
+            replies = [
+                await server.openai.chat.completions.create(
+                    model=model(rt), messages=question, max_tokens=4, user=user
+                )
+                for user in ("ann", "bob")
+            ]
+            anonymous = await server.openai.chat.completions.create(
+                model=model(rt), messages=question, max_tokens=4
+            )
+            # without sharing, a request with no session has an agent of its own, closed after
+            assert len(rt.agents) == (3 if share else 2)
+        assert (cached(replies[1]) > 0) == share  # bob's turn read ann's blocks
+        assert (cached(anonymous) > 0) == share
+        assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+
+
+async def test_sessions_beyond_the_limit_or_idle_too_long_are_closed(tiny: Loaded) -> None:
+    async with runtime(tiny.path) as rt, serving(rt, max_sessions=2) as server:
+        for user in ("a", "b", "c"):
+            await server.openai.chat.completions.create(
+                model=model(rt),
+                messages=[{"role": "user", "content": "Hi."}],
+                max_tokens=2,
+                user=user,
+            )
+        assert set(rt.agents) == {session_agent("b"), session_agent("c")}
+    async with runtime(tiny.path) as rt, serving(rt, session_idle_timeout=1e-6) as server:
+        for user in ("a", "b"):
+            await server.openai.chat.completions.create(
+                model=model(rt),
+                messages=[{"role": "user", "content": "Hi."}],
+                max_tokens=2,
+                user=user,
+            )
+        assert set(rt.agents) == {session_agent("b")}  # "a" was idle when "b" came
+
+
+async def test_a_session_survives_a_restart_warm(tiny: Loaded, tmp_path: Path) -> None:
+    async with runtime(tiny.path) as rt, serving(rt) as server:
+        expected = await dialogue(server.openai, rt, user="kept")
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    state = tmp_path / "state"
+    for i, question in enumerate(QUESTIONS):
+        messages.append({"role": "user", "content": question})
+        async with runtime(tiny.path, state_dir=state) as rt, serving(rt) as server:
+            reply = await server.openai.chat.completions.create(
+                model=model(rt), messages=messages, max_tokens=12, user="kept"
+            )
+        assert reply.choices[0].message.content == expected[i].choices[0].message.content
+        assert cached(reply) == cached(expected[i])  # the cache came back from the disk
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_concurrent_requests_are_each_answered_as_alone(tiny: Loaded, shared: bool) -> None:
+    """Requests of several sessions batch; those of one session wait in its mailbox and
+    are answered in turn, never interleaved."""
+    questions = [f"Question number {i}?" for i in range(4)]
+    async with runtime(tiny.path) as rt:
+        expected = []
+        for i, question in enumerate(questions):
+            agent = await rt.spawn(f"ref{i}", max_tokens=12)
+            expected.append((await agent.ask(question)).text)
+    async with runtime(tiny.path) as rt, serving(rt) as server:
+        got: dict[int, str] = {}
+
+        async def ask(i: int) -> None:
+            reply = await server.openai.chat.completions.create(
+                model=model(rt),
+                messages=[{"role": "user", "content": questions[i]}],
+                max_tokens=12,
+                extra_headers={"X-Session-Id": "shared" if shared else f"s{i}"},
+            )
+            got[i] = reply.choices[0].message.content or ""
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(questions)):
+                tg.start_soon(ask, i)
+        if shared:
+            assert rt.agents[session_agent("shared")].statistics().turns == len(questions)
+        else:
+            assert len(rt.agents) == len(questions)
+    assert [got[i] for i in range(len(questions))] == expected
+
+
+async def test_an_api_key_is_required_when_set(tiny: Loaded) -> None:
+    async with runtime(tiny.path) as rt, serving(rt, key="sekret", api_key="sekret") as server:
+        reply = await server.openai.chat.completions.create(
+            model=model(rt), messages=HELLO, max_tokens=2
+        )
+        assert reply.choices[0].finish_reason == "length"
+        message = await server.anthropic.messages.create(  # as x-api-key
+            model=model(rt), messages=HELLO, max_tokens=2
+        )
+        assert message.stop_reason == "max_tokens"
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "sekre"}):
+            status, body = await fetch(f"{server.url}/v1/models", headers=headers)
+            assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+        status, _ = await fetch(f"{server.url}/metrics")
+        assert status == 401
+        status, body = await fetch(f"{server.url}/health")
+        assert status == 200 and json.loads(body)["status"] == "ok"
+        status, body = await fetch(
+            f"{server.url}/v1/models", headers={"Authorization": "Bearer sekret"}
+        )
+        assert status == 200 and json.loads(body)["data"][0]["id"] == model(rt)
+
+
+async def test_bodies_over_the_limit_and_unknown_paths_are_refused(tiny: Loaded) -> None:
+    async with runtime(tiny.path) as rt, serving(rt, max_body_bytes=1000) as server:
+        body = {"model": model(rt), "messages": [{"role": "user", "content": "x" * 2000}]}
+        status, data = await fetch(
+            f"{server.url}/v1/chat/completions", "POST", json.dumps(body).encode()
+        )
+        assert status == 413 and "1,000 bytes" in json.loads(data)["error"]["message"]
+        status, data = await fetch(f"{server.url}/v1/chat/completions", "POST", b"{not json")
+        assert status == 400 and "not JSON" in json.loads(data)["error"]["message"]
+        status, data = await fetch(f"{server.url}/v1/completions", "POST", b"{}")
+        assert status == 404 and json.loads(data)["error"]["type"] == "invalid_request_error"
+        assert not rt.agents
+
+
+async def test_metrics_count_turns_tokens_and_sessions(tiny: Loaded) -> None:
+    async with runtime(tiny.path) as rt, serving(rt) as server:
+        replies = await dialogue(server.openai, rt, user="m")
+        status, text = await fetch(f"{server.url}/metrics")
+        stats = await rt.stats()
+    assert status == 200
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.decode().splitlines()
+        if line and not line.startswith("#")
+    }
+    assert values['mlx_actors_requests_total{api="openai",status="200"}'] == len(QUESTIONS)
+    assert (
+        values["mlx_actors_generated_tokens_total"]
+        == stats.generated_tokens
+        == sum(r.usage.completion_tokens for r in replies)
+    )
+    assert values["mlx_actors_prompt_tokens_reused_total"] == sum(map(cached, replies))
+    assert values["mlx_actors_sessions"] == 1
+    assert values["mlx_actors_time_to_first_token_seconds_count"] == len(QUESTIONS)
+    assert values["mlx_actors_pool_blocks_used"] == stats.pool.used_blocks > 0
+
+
+def test_the_serve_command_serves_and_stops_on_ctrl_c(tiny: Loaded) -> None:
+    command = [sys.executable, "-m", "mlx_actors", "serve", str(tiny.path), "--port", "0"]
+    process = subprocess.Popen(
+        [*command, "--pool-blocks", "100"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline()  # printed once the model is loaded
+        assert line.startswith("mlx-actors: serving"), line
+        url = line.split(" at ")[1].strip()
+        status, body = anyio.run(fetch, f"{url}/health")
+        assert status == 200 and json.loads(body)["model"] == tiny.path.name
+        process.send_signal(signal.SIGINT)
+        _, rest = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0, rest
+    assert rest.strip().endswith("mlx-actors: stopped") and "Traceback" not in rest
+
+
+def test_serving_beyond_this_machine_needs_a_key() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_actors", "serve", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--api-key" in done.stderr
