@@ -3,6 +3,9 @@ target time, so a cancel or a new turn never waits long, and outputs do not chan
 
 from __future__ import annotations
 
+import mlx.core as mx
+import pytest
+
 from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine
 from mlx_actors.scheduler._pacing import Pacing, chunk
 
@@ -74,4 +77,24 @@ def test_slow_steps_prefill_in_small_chunks_and_outputs_do_not_change(tiny: Load
             assert list(done[uid].tokens) == reference(tiny.model, p, N, stop=eos)
             engine.release(done[uid].blocks)
     assert pool.used_blocks == 0
+    engine.close()
+
+
+@pytest.mark.parametrize("length", [700, 1500])  # alone, outside the batch; a prefill job
+def test_a_prefills_buffers_leave_mlxs_cache(tiny: Loaded, length: int) -> None:
+    """A chunk's activations are of a shape seldom seen again: kept in MLX's buffer
+    cache, they grew a CUDA device's memory until an allocation failed. Steps that
+    prefill outside the ``BatchGenerator`` leave next to nothing there (10 to 28 MB
+    here before)."""
+    pool = BlockPool(tiny.spec, total_blocks=400)
+    engine = BlockPoolBatchEngine(tiny.model, tiny.tokenizer, pool)
+    mx.clear_cache()
+    engine.submit("a", prompt(length, 1), max_tokens=2)
+    prefilled = 0
+    while engine.active:
+        engine.step()
+        assert engine.last_step is not None
+        prefilled += engine.last_step.prefill_tokens
+        assert mx.get_cache_memory() < 1 << 20
+    assert prefilled == length
     engine.close()

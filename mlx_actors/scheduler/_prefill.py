@@ -101,6 +101,10 @@ class PrefillJob:
         n = min(limit, self.next_stop() - self.pos)
         model(mx.array(self.tokens[self.pos : self.pos + n])[None], cache=self.cache)
         mx.eval([c.state for c in self.cache])
+        # A chunk's activations, of a shape seldom seen again, leave MLX's buffer cache
+        # (as mlx-lm's prefills do): kept, they grew a CUDA device's memory until an
+        # allocation failed.
+        mx.clear_cache()
         self.pos += n
         return n
 

@@ -95,6 +95,7 @@ class Solo:
             with mx.stream(self.stream):
                 self.model(mx.array(self.prompt[self.done : self.done + n])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
+            mx.clear_cache()  # as a prefill job's chunk (see PrefillJob.run_chunk)
             self.done += n
         return n
 
