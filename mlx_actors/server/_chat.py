@@ -63,9 +63,9 @@ class ShownText:
 
     def feed(self, piece: str) -> str:
         """The newly shown text after ``piece``."""
+        self._text += piece
         if self._cut:
             return ""
-        self._text += piece
         if self._marker is None:
             return self._show(len(self._text))
         at = self._text.find(self._marker, max(0, self._sent - len(self._marker)))
