@@ -114,6 +114,13 @@ def _serve_parser(commands: Any) -> None:
     pool.add_argument("--pool-blocks", type=int, help="KV cache budget in 256-token blocks")
     runtime.add_argument("--host-bytes", type=_size, help="evicted caches kept in memory")
     runtime.add_argument("--prefill-step-size", type=int, default=512)
+    runtime.add_argument(
+        "--admission-window",
+        type=float,
+        default=0.002,
+        metavar="SECONDS",
+        help="how long an idle engine waits for each further request on its way (0.002)",
+    )
     runtime.add_argument("--kv-bits", type=int, choices=[4, 8], help="quantize the KV cache")
     runtime.add_argument("--kv-group-size", type=int, default=64)
     runtime.add_argument("--dequantize", action="store_true", help="float32 default model")
@@ -155,6 +162,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "pool_blocks": args.pool_blocks,
         "host_bytes": args.host_bytes,
         "prefill_step_size": args.prefill_step_size,
+        "admission_window": args.admission_window,
         "kv_bits": args.kv_bits,
         "kv_group_size": args.kv_group_size,
         "dequantize": args.dequantize,
