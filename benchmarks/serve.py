@@ -1,0 +1,646 @@
+"""Agent sessions over HTTP: ``mlx-actors serve`` against ``python -m mlx_lm server`` on the
+same model and machine, driven by the same client code (the ``openai`` client, streaming).
+Prints JSON.
+
+    python benchmarks/serve.py --shape tiny --sessions 16 32 64            # CPU
+    python benchmarks/serve.py --shape llama-3.2-1b --dtype bf16 --scale 1 # GPU
+
+Workloads (``--workloads``):
+
+- ``bfcl``: multi-turn tool-calling sessions replayed from BFCL v4 (``multi_turn_base`` and
+  ``multi_turn_long_context`` of the ``bfcl-eval`` wheel, read out of it): each session's
+  functions as tools, its user turns, and for each turn the ground-truth calls as the
+  assistant's message with results of realistic size, then the model's answer. Sessions
+  arrive at random (Poisson, ``--rate`` per second). A random-weight model's replies mean
+  nothing, so they are dropped: both servers see the same conversations.
+- ``subagents``: a main agent with a long context (28K tokens at ``--scale 1``) and three
+  sub-agents (6-7K) taking turns, the main agent after each (vllm-mlx #541's shape).
+- ``prefix``: eight sessions on one warm 8K-token prefix asked at once (oMLX #3348's
+  shape): the spread of their first tokens, and their decoding speed against mlx-lm's bare
+  ``BatchGenerator`` decoding the same eight in this process.
+
+Figures: session completion time (mean, p95), time to first token (p50, p95), tokens
+prefilled against the least a server that keeps every session's cache would prefill,
+and the server process's peak memory (RSS; on a GPU, also nvidia-smi's). The model has
+random weights of ``--shape`` with SmolLM2's tokenizer (BPE) and a ChatML template that
+renders tools, so that both servers read the same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import openai
+from _models import DTYPES, SHAPES, run_facts
+
+from mlx_actors.runtime import default_model_dir
+from mlx_actors.testing import CHATML_TOOLS_TEMPLATE, write_random_model
+
+BFCL = "bfcl-eval==2026.3.23"
+#: ``python -m mlx_lm server`` with its defaults, and variants: a prompt cache of 64
+#: caches (10 by default); prompts prefilled 512 tokens at a time, as mlx-actors does
+#: (2048 by default: on an H100 its prompt batch ran out of memory on these sessions).
+MLX_LM = {
+    "mlx-lm": [],
+    "mlx-lm-64": ["--prompt-cache-size", "64"],
+    "mlx-lm-p512": ["--prefill-step-size", "512"],
+    "mlx-lm-p512-64": ["--prefill-step-size", "512", "--prompt-cache-size", "64"],
+}
+
+#: Tokens each request generates (``--new-tokens``).
+NEW_TOKENS = 32
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace) -> Path:
+    """Random weights of ``--shape``, SmolLM2's tokenizer, a ChatML template with tools."""
+    tokenizer_dir = args.tokenizer or default_model_dir()
+    config = dict(SHAPES[args.shape])
+    config["vocab_size"] = max(config["vocab_size"], 49152)
+    config["eos_token_id"], config["bos_token_id"] = 2, 1
+    path = Path(tempfile.mkdtemp(prefix="mlx-actors-serve-")) / args.shape
+    write_random_model(path, config, seed=0, dtype=DTYPES[args.dtype])
+    shutil.copy(Path(tokenizer_dir) / "tokenizer.json", path / "tokenizer.json")
+    settings = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text())
+    settings["chat_template"] = CHATML_TOOLS_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    return path
+
+
+def warm_gather_kernels(model_dir: Path, dtype: Any) -> float:
+    """On a CUDA GPU, compile mlx-actors' gather kernel for every number of pieces
+    (about 1.6 s each on an H100, once per machine: MLX keeps compiled kernels on disk),
+    so that the server is timed as on a machine that has run it before. Seconds taken."""
+    import mlx.core as mx
+
+    from mlx_actors.scheduler import _gather
+
+    if not _gather.kernel_available():
+        return 0.0
+    config = json.loads((model_dir / "config.json").read_text())
+    heads, dim = config["num_key_value_heads"], config["head_dim"]
+    began = time.perf_counter()
+    for slots in (2, 4, 8, 16, 32, 64, 128):
+        block = mx.zeros((1, heads, 256, dim), dtype=dtype)
+        parts = [(block, 256 * i, 256 * i, 256 * i + 256) for i in range(slots)]
+        mx.eval(*_gather._launch(parts, parts, 0))
+    return time.perf_counter() - began
+
+
+def load_tokenizer(path: Path) -> Any:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    return load_tokenizer(path)
+
+
+# -- the servers ----------------------------------------------------------------------------
+
+
+class Server:
+    """A server process, its readiness, and the peak memory it reached."""
+
+    def __init__(self, kind: str, model: Path, port: int, extra: list[str], logs: Path) -> None:
+        self.kind, self.port = kind, port
+        self.log = logs / f"{kind}-{port}.log"
+        if kind == "mlx-actors":
+            command = [sys.executable, "-m", "mlx_actors", "serve", str(model)]
+            command += ["--port", str(port), "--model-name", str(model)]
+            command += ["--max-tokens", str(NEW_TOKENS)]
+            command += ["--trace", str(logs / f"{kind}-{port}.jsonl")]
+        else:
+            command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model)]
+            command += ["--port", str(port), "--log-level", "WARNING", "--temp", "0"]
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(
+                [*command, *extra], stdout=log, stderr=subprocess.STDOUT, text=True
+            )
+        self.url = f"http://127.0.0.1:{port}"
+        self._gpu_peak = 0
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample_gpu, daemon=True)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.kind} exited: {self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5):
+                    self._sampler.start()
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"{self.kind} did not start")
+
+    def _sample_gpu(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                out = subprocess.run(
+                    [
+                        "nvidia-smi",
+                        "--query-compute-apps=pid,used_memory",
+                        "--format=csv,noheader,nounits",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                ).stdout
+            except (OSError, subprocess.SubprocessError):
+                return
+            for line in out.splitlines():
+                pid, _, used = line.partition(",")
+                if pid.strip() == str(self.process.pid):
+                    self._gpu_peak = max(self._gpu_peak, int(used) << 20)
+
+    def memory(self) -> dict[str, Any]:
+        """Peak memory so far (read while the process lives)."""
+        peak = 0
+        try:
+            for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) << 10
+        except OSError:
+            pass
+        out = {"peak_rss_gb": round(peak / 1e9, 3)}
+        if self._gpu_peak:
+            out["peak_gpu_gb"] = round(self._gpu_peak / 1e9, 3)
+        return out
+
+    def stop(self) -> dict[str, Any]:
+        """Stop the server; its peak memory."""
+        memory = self.memory()
+        self._stop.set()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        return memory
+
+
+# -- the client -----------------------------------------------------------------------------
+
+
+async def ask(
+    client: openai.AsyncOpenAI,
+    model: str,
+    session: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    new_tokens: int | None = None,
+) -> dict[str, Any]:
+    """One streamed request: its timings and usage."""
+    started = time.perf_counter()
+    first = None
+    usage = None
+    options: dict[str, Any] = {"tools": tools} if tools else {}
+    chunks = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=new_tokens or NEW_TOKENS,
+        temperature=0,  # type: ignore[arg-type]
+        stream=True,
+        stream_options={"include_usage": True},
+        prompt_cache_key=session,
+        **options,
+    )
+    async for chunk in chunks:
+        if chunk.choices and first is None:
+            delta = chunk.choices[0].delta
+            if delta.content or delta.tool_calls or chunk.choices[0].finish_reason:
+                first = time.perf_counter()
+        usage = chunk.usage or usage
+    ended = time.perf_counter()
+    assert usage is not None
+    details = usage.prompt_tokens_details
+    cached = details.cached_tokens if details is not None and details.cached_tokens else 0
+    return {
+        "session": session,
+        "started": started,
+        "ttft": (first or ended) - started,
+        "seconds": ended - started,
+        "prompt": usage.prompt_tokens,
+        "prefilled": usage.prompt_tokens - cached,
+        "generated": usage.completion_tokens,
+        "first_at": first or ended,
+        "ended": ended,
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def least_prefill(tokenizer: Any, requests: list[tuple[list[dict[str, Any]], Any]]) -> int:
+    """What a server that keeps the session's cache must prefill: each request's tokens
+    beyond what it shares with the one before it."""
+    total, previous = 0, []
+    for messages, tools in requests:
+        tokens = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True
+        )
+        shared = 0
+        for a, b in zip(previous, tokens):
+            if a != b:
+                break
+            shared += 1
+        total += len(tokens) - shared
+        previous = list(tokens)
+    return total
+
+
+# -- BFCL sessions --------------------------------------------------------------------------
+
+
+def bfcl_data(args: argparse.Namespace) -> Path:
+    """The BFCL wheel's data folder (downloaded with pip once)."""
+    folder = Path(args.bfcl) if args.bfcl else Path(tempfile.gettempdir()) / "mlx-actors-bfcl"
+    if (folder / "bfcl_eval" / "data").exists():
+        return folder / "bfcl_eval" / "data"
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", BFCL, "-d", str(folder)],
+        check=True,
+    )
+    (wheel,) = folder.glob("bfcl_eval-*.whl")
+    with zipfile.ZipFile(wheel) as zipped:
+        for name in zipped.namelist():
+            if "multi_turn" in name and name.endswith(".json"):
+                zipped.extract(name, folder)
+    return folder / "bfcl_eval" / "data"
+
+
+def _tool(doc: dict[str, Any]) -> dict[str, Any]:
+    types = {"dict": "object", "float": "number", "tuple": "array", "any": "string"}
+
+    def fix(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: fix(v) for k, v in node.items()}
+            if isinstance(out.get("type"), str):
+                out["type"] = types.get(out["type"], out["type"])
+            return out
+        return [fix(v) for v in node] if isinstance(node, list) else node
+
+    return {
+        "type": "function",
+        "function": {
+            "name": doc["name"],
+            "description": doc["description"],
+            "parameters": fix(doc["parameters"]),
+        },
+    }
+
+
+def _call(text: str, tools: dict[str, dict[str, Any]], call_id: str) -> dict[str, Any]:
+    node = ast.parse(text, mode="eval").body
+    assert isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    name = node.func.id
+    names = list(tools[name]["function"]["parameters"].get("properties", {}))
+    arguments = {names[i]: ast.literal_eval(a) for i, a in enumerate(node.args)}
+    arguments.update({k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg})
+    function = {"name": name, "arguments": json.dumps(arguments)}
+    return {"id": call_id, "type": "function", "function": function}
+
+
+def bfcl_sessions(data: Path, n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` sessions: each its tools and, per user turn, its messages and the calls."""
+    docs: dict[str, list[dict[str, Any]]] = {}
+    classes = {
+        "GorillaFileSystem": "gorilla_file_system",
+        "MathAPI": "math_api",
+        "MessageAPI": "message_api",
+        "TwitterAPI": "posting_api",
+        "TicketAPI": "ticket_api",
+        "TradingBot": "trading_bot",
+        "TravelAPI": "travel_booking",
+        "VehicleControlAPI": "vehicle_control",
+    }
+    for cls, file in classes.items():
+        lines = (data / "multi_turn_func_doc" / f"{file}.json").read_text().splitlines()
+        docs[cls] = [json.loads(line) for line in lines if line.strip()]
+    entries = []
+    for category in ("multi_turn_base", "multi_turn_long_context"):
+        questions = (data / f"BFCL_v4_{category}.json").read_text().splitlines()
+        answers = (data / "possible_answer" / f"BFCL_v4_{category}.json").read_text().splitlines()
+        for q, a in zip(questions, answers):
+            entries.append((category, json.loads(q), json.loads(a)["ground_truth"]))
+    rng = random.Random(seed)
+    rng.shuffle(entries)
+    sessions = []
+    for i, (category, entry, truth) in enumerate(entries[:n]):
+        excluded = set(entry.get("excluded_function", []))
+        tools = [
+            _tool(d)
+            for cls in entry["involved_classes"]
+            for d in docs.get(cls, [])
+            if d["name"] not in excluded
+        ]
+        by_name = {t["function"]["name"]: t for t in tools}
+        long = category.endswith("long_context")
+        turns = []
+        for t, (asked, calls) in enumerate(zip(entry["question"], truth)):
+            made = [_call(c, by_name, f"call{i}x{t}x{j}") for j, c in enumerate(calls)]
+            results = [
+                # results of realistic size: most short, some long (long context: longer)
+                json.dumps(
+                    {"result": _words(rng, int(rng.lognormvariate(5.5 if long else 4.5, 1)))}
+                )
+                for _ in made
+            ]
+            turns.append({"user": list(asked), "calls": made, "results": results})
+        sessions.append({"id": f"bfcl{i}", "tools": tools, "turns": turns})
+    return sessions
+
+
+def _words(rng: random.Random, n: int) -> str:
+    vocabulary = ["file", "report", "budget", "data", "value", "error", "line", "folder"]
+    return " ".join(rng.choice(vocabulary) for _ in range(max(1, min(n, 2000))))
+
+
+async def run_bfcl(
+    client: openai.AsyncOpenAI, model: str, sessions: list[dict[str, Any]], rate: float, seed: int
+) -> tuple[list[dict[str, Any]], list[float], list[list[tuple[list[dict[str, Any]], Any]]]]:
+    """Every session, arriving at random: its requests, completion times and prompts."""
+    rng = random.Random(seed)
+    arrivals, at = [], 0.0
+    for _ in sessions:
+        arrivals.append(at)
+        at += rng.expovariate(rate)
+    records: list[dict[str, Any]] = []
+    durations: list[float] = []
+    prompts: list[list[tuple[list[dict[str, Any]], Any]]] = [[] for _ in sessions]
+    begin = time.perf_counter()
+
+    async def one(k: int, session: dict[str, Any]) -> None:
+        await asyncio.sleep(arrivals[k])
+        start = time.perf_counter()
+        messages: list[dict[str, Any]] = []
+        tools = session["tools"]
+
+        async def request() -> None:
+            prompts[k].append(([dict(m) for m in messages], tools))
+            records.append(await ask(client, model, session["id"], messages, tools))
+
+        for turn in session["turns"]:
+            if not turn["user"]:
+                continue
+            messages.extend(turn["user"])
+            await request()
+            if turn["calls"]:
+                messages.append({"role": "assistant", "content": None, "tool_calls": turn["calls"]})
+                for call, result in zip(turn["calls"], turn["results"]):
+                    messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+                await request()
+            messages.append({"role": "assistant", "content": "Done."})
+        durations.append(time.perf_counter() - start)
+
+    await asyncio.gather(*(one(k, s) for k, s in enumerate(sessions)))
+    del begin
+    return records, durations, prompts
+
+
+# -- main agent and sub-agents; one warm prefix ---------------------------------------------
+
+
+def _document(rng: random.Random, tokenizer: Any, tokens: int) -> str:
+    words = ["the", "of", "agent", "plan", "result", "data", "model", "memory", "cache"]
+    text = ""
+    while len(tokenizer.encode(text)) < tokens:
+        text += " ".join(rng.choice(words) for _ in range(tokens // 2)) + "\n"
+    ids = tokenizer.encode(text)[:tokens]
+    return str(tokenizer.decode(ids))
+
+
+async def run_subagents(
+    client: openai.AsyncOpenAI, model: str, tokenizer: Any, scale: float, rounds: int
+) -> dict[str, Any]:
+    rng = random.Random(1)
+    contexts = {"main": int(28_000 * scale)}
+    contexts.update({f"sub{i}": int((6_000 + 500 * i) * scale) for i in range(3)})
+    conversations = {
+        name: [{"role": "system", "content": _document(rng, tokenizer, size)}]
+        for name, size in contexts.items()
+    }
+    records = []
+    for r in range(rounds):
+        for i in range(3):
+            for name, line in ((f"sub{i}", f"Round {r}: do part {i}."), ("main", f"Sub {i} done.")):
+                conversations[name].append({"role": "user", "content": line})
+                record = await ask(client, model, name, conversations[name], None)
+                record["turn"] = r
+                records.append(record)
+                conversations[name].append({"role": "assistant", "content": "Noted."})
+    later = [x for x in records if x["turn"] > 0]
+    return {
+        "contexts": contexts,
+        "first_ttft_s": {x["session"]: round(x["ttft"], 3) for x in records if x["turn"] == 0},
+        "later_ttft_p50_s": round(statistics.median(x["ttft"] for x in later), 4),
+        "later_ttft_max_s": round(max(x["ttft"] for x in later), 4),
+        "later_max_prefilled": max(x["prefilled"] for x in later),
+        "total_s": round(sum(x["seconds"] for x in records), 3),
+    }
+
+
+async def run_prefix(
+    client: openai.AsyncOpenAI,
+    model: str,
+    tokenizer: Any,
+    prefix_tokens: int,
+    streams: int,
+    new_tokens: int,
+) -> dict[str, Any]:
+    document = _document(random.Random(2), tokenizer, prefix_tokens)
+    system = {"role": "system", "content": document}
+    await ask(client, model, "warm", [system, {"role": "user", "content": "Ready?"}], None)
+    questions = [f"Question {i}: what does part {i} say?" for i in range(streams)]
+    records = await asyncio.gather(
+        *(
+            ask(client, model, f"p{i}", [system, {"role": "user", "content": q}], None, new_tokens)
+            for i, q in enumerate(questions)
+        )
+    )
+    firsts = [x["first_at"] for x in records]
+    rates = [(x["generated"] - 1) / (x["ended"] - x["first_at"]) for x in records]
+    return {
+        "first_token_spread_ms": round(1000 * (max(firsts) - min(firsts)), 1),
+        "ttft_max_s": round(max(x["ttft"] for x in records), 3),
+        "decode_tokens_per_s": round(sum(rates), 1),
+        "prefilled": [x["prefilled"] for x in records],
+    }
+
+
+def bare_batch_decode(model_dir: Path, prefix_tokens: int, streams: int, new_tokens: int) -> float:
+    """mlx-lm's BatchGenerator decoding ``streams`` sequences on a warm prefix: tokens/s
+    after each sequence's first token, summed."""
+    import copy
+
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    document = _document(random.Random(2), tokenizer, prefix_tokens)
+    prompts = [
+        tokenizer.apply_chat_template(
+            [
+                {"role": "system", "content": document},
+                {"role": "user", "content": f"Question {i}: what does part {i} say?"},
+            ],
+            add_generation_prompt=True,
+        )
+        for i in range(streams)
+    ]
+    shared = 0
+    while all(p[shared] == prompts[0][shared] for p in prompts):
+        shared += 1
+    cache = make_prompt_cache(model)
+    model(mx.array([prompts[0][:shared]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    generator = BatchGenerator(model, max_tokens=new_tokens, stop_tokens=[])
+    uids = generator.insert(
+        [p[shared:] for p in prompts],
+        [new_tokens] * streams,
+        caches=[copy.deepcopy(cache) for _ in prompts],
+    )
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    counts = dict.fromkeys(uids, 0)
+    finished: set[int] = set()
+    while len(finished) < streams:
+        _, responses = generator.next()
+        now = time.perf_counter()
+        for response in responses:
+            counts[response.uid] += 1
+            first.setdefault(response.uid, now)
+            last[response.uid] = now
+            if response.finish_reason is not None:
+                finished.add(response.uid)
+    generator.close()
+    return sum((counts[u] - 1) / (last[u] - first[u]) for u in uids)
+
+
+# -- main -----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    global NEW_TOKENS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--dtype", default="f32", choices=sorted(DTYPES))
+    parser.add_argument("--tokenizer", help="a model directory whose tokenizer to use")
+    parser.add_argument("--bfcl", help="a folder holding bfcl_eval/data (else downloaded)")
+    parser.add_argument("--sessions", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--rate", type=float, default=2.0, help="sessions arriving per second")
+    parser.add_argument("--scale", type=float, default=0.25, help="sub-agent contexts (1: 28K)")
+    parser.add_argument("--prefix-tokens", type=int, default=8192)
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--workloads", nargs="+", default=["bfcl", "subagents", "prefix"])
+    parser.add_argument(
+        "--servers",
+        nargs="+",
+        default=["mlx-actors", "mlx-lm", "mlx-lm-64"],
+        choices=["mlx-actors", *MLX_LM],
+        help="mlx-lm's server with its defaults, or one of its variants (MLX_LM)",
+    )
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument(
+        "--logs", type=Path, help="where the servers' output and mlx-actors' trace go"
+    )
+    args = parser.parse_args()
+    args.model = None
+    NEW_TOKENS = args.new_tokens
+    model_dir = build_model(args)
+    tokenizer = load_tokenizer(model_dir)
+    facts = run_facts("serve", args)
+    results: dict[str, Any] = {**facts, "new_tokens": NEW_TOKENS, "servers": {}}
+    warmed = warm_gather_kernels(model_dir, DTYPES[args.dtype])
+    results["gather_kernels_warmed_s"] = round(warmed, 1)
+    sessions = (
+        bfcl_sessions(bfcl_data(args), max(args.sessions), seed=0)
+        if "bfcl" in args.workloads
+        else []
+    )
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="serve-logs-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    port = 8700
+    for kind in args.servers:
+        port += 1
+        extra = MLX_LM.get(kind, [])
+        name = "mlx-lm" if kind.startswith("mlx-lm") else kind
+        server = Server(name, model_dir, port, extra, logs)
+        out: dict[str, Any] = {}
+        try:
+            server.wait_ready()
+            out = asyncio.run(_drive(server.url, str(model_dir), tokenizer, sessions, args))
+        except Exception as exc:  # one server's failure: its figures say so, the next runs
+            out["error"] = repr(exc)[:500]
+        finally:
+            out["memory"] = server.stop()
+        results["servers"][kind] = out
+        print(json.dumps({kind: out}), file=sys.stderr, flush=True)
+    if "prefix" in args.workloads:
+        results["bare_batch_decode_tokens_per_s"] = round(
+            bare_batch_decode(model_dir, args.prefix_tokens, 8, 64), 1
+        )
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+async def _drive(
+    url: str, model: str, tokenizer: Any, sessions: list[dict[str, Any]], args: argparse.Namespace
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600
+    ) as client:
+        if "bfcl" in args.workloads:
+            for n in args.sessions:
+                records, durations, prompts = await run_bfcl(
+                    client, model, sessions[:n], args.rate, seed=n
+                )
+                least = sum(least_prefill(tokenizer, p) for p in prompts)
+                ttfts = [x["ttft"] for x in records]
+                out[f"bfcl_{n}"] = {
+                    "requests": len(records),
+                    "session_mean_s": round(statistics.mean(durations), 3),
+                    "session_p95_s": round(percentile(durations, 0.95), 3),
+                    "ttft_p50_s": round(percentile(ttfts, 0.5), 4),
+                    "ttft_p95_s": round(percentile(ttfts, 0.95), 4),
+                    "prompt_tokens": sum(x["prompt"] for x in records),
+                    "prefilled": sum(x["prefilled"] for x in records),
+                    "least_prefill": least,
+                }
+                print(json.dumps({f"bfcl_{n}": out[f"bfcl_{n}"]}), file=sys.stderr, flush=True)
+        if "subagents" in args.workloads:
+            out["subagents"] = await run_subagents(client, model, tokenizer, args.scale, 3)
+        if "prefix" in args.workloads:
+            out["prefix"] = await run_prefix(client, model, tokenizer, args.prefix_tokens, 8, 64)
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
