@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from ..actors import Agent, Reply
 from ..actors._tool_format import tool_format
+from ..errors import InvalidRequestError
 from ..runtime import Runtime
 from . import _anthropic as anthropic
 from . import _fields as f
@@ -118,7 +119,9 @@ class Server:
         max_tokens: int,
     ) -> None:
         if runtime.tokenizer is None:
-            raise RuntimeError("create_app needs a running runtime (inside `async with`)")
+            raise InvalidRequestError(
+                "create_app needs a running runtime: call it inside `async with Runtime(...)`"
+            )
         self.runtime = runtime
         self.form = tool_format(runtime.tokenizer)
         self.sessions = Sessions(
@@ -388,6 +391,9 @@ def create_app(
     Run it with any ASGI server on the runtime's event loop (asyncio), for instance
     ``await uvicorn.Server(uvicorn.Config(app)).serve()`` inside the ``async with``.
 
+    Raises:
+        InvalidRequestError: the runtime is not running, or an option is out of range.
+
     Args:
         api_key: if set, every request but ``GET /health`` must carry it.
         model_name: the model's id for clients (default: its directory's name).
@@ -405,7 +411,7 @@ def create_app(
         ("max_tokens", max_tokens),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+            raise InvalidRequestError(f"{name} must be a positive int, got {value!r}")
     return Server(
         runtime,
         api_key=api_key,

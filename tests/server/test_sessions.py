@@ -17,6 +17,8 @@ import openai
 import pytest
 
 from mlx_actors import Runtime
+from mlx_actors.errors import InvalidRequestError
+from mlx_actors.server import create_app
 from mlx_actors.server._sessions import session_agent
 
 from ..conftest import Loaded
@@ -243,3 +245,8 @@ def test_serving_beyond_this_machine_needs_a_key() -> None:
         timeout=60,
     )
     assert done.returncode == 2 and "--api-key" in done.stderr
+
+
+def test_create_app_needs_a_running_runtime(tiny: Loaded) -> None:
+    with pytest.raises(InvalidRequestError, match="running runtime"):
+        create_app(runtime(tiny.path))
