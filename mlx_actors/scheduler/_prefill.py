@@ -13,6 +13,7 @@ from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ._blocks import make_cache, to_cache
+from ._buffers import release_prefill_buffers
 from ._dequantized import DequantizedKVCache
 from ._margin import MarginRotatingKVCache
 from ._pool import KVBlock, Reservation
@@ -101,10 +102,7 @@ class PrefillJob:
         n = min(limit, self.next_stop() - self.pos)
         model(mx.array(self.tokens[self.pos : self.pos + n])[None], cache=self.cache)
         mx.eval([c.state for c in self.cache])
-        # A chunk's activations, of a shape seldom seen again, leave MLX's buffer cache
-        # (as mlx-lm's prefills do): kept, they grew a CUDA device's memory until an
-        # allocation failed.
-        mx.clear_cache()
+        release_prefill_buffers()
         self.pos += n
         return n
 

@@ -23,6 +23,7 @@ from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import TokenBuffer
 from mlx_lm.sample_utils import greedy_sampler
 
+from ._buffers import release_prefill_buffers
 from ._pacing import chunk as fit
 from ._records import LogitsProcessor, Sampler
 
@@ -95,7 +96,7 @@ class Solo:
             with mx.stream(self.stream):
                 self.model(mx.array(self.prompt[self.done : self.done + n])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
-            mx.clear_cache()  # as a prefill job's chunk (see PrefillJob.run_chunk)
+            release_prefill_buffers()
             self.done += n
         return n
 
