@@ -36,7 +36,9 @@ def load(path: Path) -> Loaded:
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every async test runs on both of anyio's backends."""
+    """Every async test runs on both of anyio's backends, except the slowest checks of
+    cache exactness, which run each of their cases on one of them (``anyio_backend``
+    parametrized with the case): what they check does not depend on the event loop."""
     return str(request.param)
 
 

@@ -18,7 +18,8 @@ from mlx_actors import Runtime
 from mlx_actors.cluster import Cluster
 from mlx_actors.errors import InvalidRequestError, ReplicaLostError, RuntimeClosedError
 
-pytestmark = pytest.mark.anyio
+# One local Ray instance at a time: these tests run in one worker process.
+pytestmark = [pytest.mark.anyio, pytest.mark.xdist_group("ray")]
 
 
 @pytest.fixture(scope="module", autouse=True)

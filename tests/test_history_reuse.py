@@ -327,7 +327,8 @@ STOPS = ("e", "o")
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("window", [160, 16])  # turns shorter than it; longer
+# turns shorter than the window, then longer; each on one of the event loops
+@pytest.mark.parametrize(("window", "anyio_backend"), [(160, "asyncio"), (16, "trio")])
 @pytest.mark.parametrize("case", ["stop", "trim", "concurrent"])
 async def test_dialogues_reuse_every_matching_token_and_equal_mlx_lm(
     case: str, window: int, anyio_backend: str, tmp_path: Path
@@ -407,7 +408,7 @@ async def test_the_trace_says_when_and_why_history_was_not_reused(
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("pool_blocks", [400, 40])
+@pytest.mark.parametrize(("pool_blocks", "anyio_backend"), [(400, "asyncio"), (40, "trio")])
 async def test_the_checkpoint_survives_eviction_and_restart(
     pool_blocks: int, anyio_backend: str, tmp_path: Path
 ) -> None:

@@ -524,6 +524,7 @@ async def test_one_state_directory_one_runtime(tiny_dir: Path, tmp_path: Path) -
         pass  # free again once the first one has left
 
 
+@pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_two_hundred_agents_through_a_pool_for_twenty(tiny_dir: Path) -> None:
     names = [f"agent{i:03d}" for i in range(200)]
     rng = random.Random(3)

@@ -62,7 +62,7 @@ def quantized_reference(model: Loaded, agent: Any, bits: int, max_tokens: int) -
     return reference(model.model, prompt, max_tokens, cache, stop=EOS)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("bits", "anyio_backend"), [(8, "asyncio"), (4, "trio")])
 @pytest.mark.anyio
 async def test_replies_match_mlx_lm_quantized_alone_batched_and_shared(
     wide: Loaded, bits: int
@@ -235,7 +235,7 @@ def mixed_cache(model: Any, bits: int) -> list[Any]:
     ]
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("bits", "anyio_backend"), [(8, "trio"), (4, "asyncio")])
 @pytest.mark.anyio
 async def test_gemma_with_quantized_global_layers_equals_mlx_lm(
     gemma: Loaded, bits: int, tmp_path: Path
@@ -516,7 +516,7 @@ def test_a_conversion_kernel_is_used_only_where_it_gives_mlx_s_bits(
     assert launched == []
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize(("family", "anyio_backend"), [("llama", "asyncio"), ("gemma3", "trio")])
 @pytest.mark.anyio
 async def test_global_layers_attend_dequantized_where_quantized_attention_cannot_run(
     wide: Loaded,

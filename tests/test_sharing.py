@@ -266,8 +266,13 @@ async def team(
     path: Path, *, critics: int = 3, together: bool = True, **options: Any
 ) -> tuple[dict[str, list[Any]], Any, dict[str, Any]]:
     """Critics read one brief and are asked (together, or one after another); then one
-    forks, and all go on."""
+    forks, and all go on.
+
+    Turns asked together share the brief when they reach the engine within its admission
+    window of each other; the window is long here so that a loaded machine, rendering
+    them slowly, still starts them as one batch."""
     replies: dict[str, list[Any]] = {}
+    options.setdefault("admission_window", 1.0)
     async with Runtime(path, log_level="off", **options) as rt:
         agents = [
             await rt.spawn(f"critic{i}", system=f"{TEAM_BRIEF}\nYou are critic {i}.", max_tokens=12)

@@ -449,6 +449,7 @@ async def test_a_tool_conversation_survives_a_restart(model: Loaded, tmp_path: P
 
 @pytest.mark.smollm
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_the_default_model_calls_a_real_tool_and_reads_its_result() -> None:
     """SmolLM2-135M's template knows nothing of tools: it is told of them in its system
     prompt; required, its first reply is a call; it then answers from the result."""
