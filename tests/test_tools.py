@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 from typing import Any, Literal
@@ -364,6 +367,74 @@ async def test_a_cancelled_tool_turn_leaves_the_agent_as_it_was(tiny_dir: Path) 
             tg.cancel_scope.cancel()
         assert agent.history == () and agent.cached_tokens == 0
         assert (await rt.stats()).pool.used_blocks == used
+
+
+#: Tools that end things: an interrupt or an exit raised by a tool's own code (async and
+#: sync), and the runtime closed from inside the turn. Run in a process of its own: on
+#: asyncio, a KeyboardInterrupt let out of a task ends the event loop; a close that
+#: waited for its own turn hung the process.
+ENDING_TOOLS = textwrap.dedent(
+    """
+    import json, sys
+    import anyio
+    from mlx_actors import Runtime
+
+    async def main(model, state, backend):
+        async with Runtime(model, pool_blocks=100, log_level="off", state_dir=state) as rt:
+            async def interrupt() -> str:
+                \"\"\"Interrupt.\"\"\"
+                raise KeyboardInterrupt
+
+            def leave() -> str:
+                \"\"\"Exit.\"\"\"
+                raise SystemExit(3)
+
+            async def close() -> str:
+                \"\"\"Close the runtime.\"\"\"
+                await rt.aclose()
+                return "closed"
+
+            agent = await rt.spawn("t", tools=[interrupt, leave], max_tokens=120)
+            closer = await rt.spawn("c", tools=[close], max_tokens=120)
+            for name in ("interrupt", "leave"):
+                reply = await agent.ask("Go.", tool_choice=name)
+                print(json.dumps({"call": name, "error": reply.tool_calls[0].error}))
+            try:
+                with anyio.fail_after(60):
+                    await closer.ask("Go.", tool_choice="close")
+            except Exception as exc:
+                print(json.dumps({"close": type(exc).__name__}))
+            print(json.dumps({"after": [m.role for m in agent.history]}))
+        print(json.dumps({"left": True}))
+
+    anyio.run(main, *sys.argv[1:4], backend=sys.argv[3])
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_tool_that_interrupts_exits_or_closes_the_runtime_ends_only_its_call(
+    tiny_dir: Path, tmp_path: Path, backend: str
+) -> None:
+    state = tmp_path / "state"
+    args = [sys.executable, "-c", ENDING_TOOLS, str(tiny_dir), str(state), backend]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert lines == [
+        {"call": "interrupt", "error": "interrupt raised KeyboardInterrupt"},
+        {"call": "leave", "error": "leave raised SystemExit: 3"},
+        {"close": "RuntimeClosedError"},  # the closing turn fails, typed
+        {"after": ["user", "assistant", "tool", "assistant"] * 2},
+        {"left": True},
+    ]
+
+    async def reopened() -> dict[str, list[str]]:
+        async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+            return {name: [m.role for m in a.history] for name, a in rt.agents.items()}
+
+    # nothing lost: the answered turns kept, the closing one undone
+    assert anyio.run(reopened) == {"t": ["user", "assistant", "tool", "assistant"] * 2, "c": []}
 
 
 @pytest.mark.anyio

@@ -12,6 +12,7 @@ from ._agent import TurnOptions as TurnOptions
 from ._agent import TurnSettings as TurnSettings
 from ._agent import check_name as check_name
 from ._agent import check_text as check_text
+from ._agent import running_here as running_here
 from ._reply import Message as Message
 from ._reply import Reply as Reply
 from ._reply import TurnStream as TurnStream

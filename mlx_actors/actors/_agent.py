@@ -219,6 +219,13 @@ _handling: contextvars.ContextVar[tuple[Envelope, ...]] = contextvars.ContextVar
 )
 
 
+def running_here() -> frozenset[Agent]:
+    """The agents whose turns the calling code runs inside (a tool's, or what a tool
+    called): stopping one of them must not wait for it, since that would wait for
+    itself."""
+    return frozenset(e.agent for e in _handling.get() if not e.done.is_set())
+
+
 @attrs.define(eq=False)
 class Envelope:
     """A request in an agent's mailbox, and the caller's handle on its outcome."""
@@ -758,13 +765,16 @@ class Agent:
             )
         return self._closing or AgentClosedError(f"agent {self.name!r} is closed")
 
-    async def _stop(self, error: MlxActorsError) -> None:
+    async def _stop(self, error: MlxActorsError, *, wait: bool = True) -> None:
+        """Cancel the running turn, fail the queued ones with ``error`` and end the task;
+        with ``wait``, until it has ended."""
         if self._closing is None:
             self._closing = error
             self._mailbox.close()
             self._scope.cancel()
-        with anyio.CancelScope(shield=True):
-            await self._stopped.wait()
+        if wait:
+            with anyio.CancelScope(shield=True):
+                await self._stopped.wait()
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The agent's task: take envelopes from the mailbox, one at a time."""

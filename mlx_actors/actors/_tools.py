@@ -284,7 +284,8 @@ async def _run_call(call: ToolCall, tools: Mapping[str, Tool]) -> tuple[ToolCall
     except BaseException as exc:
         if not _raised_by_tool(exc):
             raise
-        error = f"{call.name} raised {type(exc).__name__}: {exc}"
+        said = f": {exc}" if str(exc) else ""
+        error = f"{call.name} raised {type(exc).__name__}{said}"
         return attrs.evolve(call, error=error), f"Error: {error}"
     try:
         text = result_text(result)
@@ -296,13 +297,12 @@ async def _run_call(call: ToolCall, tools: Mapping[str, Tool]) -> tuple[ToolCall
 
 def _raised_by_tool(exc: BaseException) -> bool:
     """Whether ``exc``, out of a tool, is the tool's own failure (the model is told)
-    rather than the turn's cancellation, an interrupt or an exit (which go on). A
-    tool's code can raise a cancellation that is not the turn's: on asyncio, awaiting a
-    future something else cancelled; the task itself is then not being cancelled."""
-    if isinstance(exc, Exception):
-        return True
-    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-        return False
+    rather than the turn's cancellation (which goes on). Everything else a tool's code
+    raises is its failure, ``KeyboardInterrupt`` and ``SystemExit`` included: let out of
+    the agent's task, they would end the event loop with every turn in it (asyncio
+    re-raises them out of the loop). A tool's code can also raise a cancellation that is
+    not the turn's: on asyncio, awaiting a future something else cancelled; the task
+    itself is then not being cancelled."""
     if isinstance(exc, anyio.get_cancelled_exc_class()):
         try:
             task = asyncio.current_task()
@@ -310,7 +310,7 @@ def _raised_by_tool(exc: BaseException) -> bool:
             return False
         cancelling = getattr(task, "cancelling", None)  # Python 3.11 on; else: the turn's
         return cancelling is not None and not cancelling()
-    return True  # GeneratorExit and the like, raised by the tool's code
+    return True
 
 
 def _arguments(found: Tool, given: Mapping[str, Any]) -> dict[str, Any]:

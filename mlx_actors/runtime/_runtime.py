@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -25,6 +26,7 @@ from ..actors import (
     check_name,
     check_text,
     check_tool_choice,
+    running_here,
 )
 from ..errors import (
     AgentClosedError,
@@ -351,22 +353,31 @@ class Runtime:
 
     async def aclose(self) -> None:
         """Close every agent and stop the engine. Callers still waiting on a turn get
-        :class:`RuntimeClosedError`; every cache block goes back to the pool."""
+        :class:`RuntimeClosedError`; every cache block goes back to the pool.
+
+        Called by a tool, it closes the runtime without waiting for the turn it runs in
+        (which would wait for itself): that turn is cancelled as the tool returns, and
+        undone; its caller gets :class:`RuntimeClosedError`."""
         if self._closed:
             return
         self._closed = True
         agents = list(self._agents.values())
         error = RuntimeClosedError("the runtime shut down before the turn finished")
-        try:
-            async with anyio.create_task_group() as tg:
-                for agent in agents:
-                    tg.start_soon(agent._stop, error)
-            if self._state is not None:  # keep every agent as its last turn left it
+        inside = running_here()
+        # Stopping the agents a tool here runs for cancels this very code: finish anyway.
+        with anyio.CancelScope(shield=bool(inside)):
+            try:
                 async with anyio.create_task_group() as tg:
-                    for agent in self._kept.values():  # those stopped by a cancel too
-                        tg.start_soon(self._keep_or_log, agent)
-        finally:
-            self._scheduler.shutdown()
+                    for agent in agents:
+                        tg.start_soon(
+                            functools.partial(agent._stop, error, wait=agent not in inside)
+                        )
+                if self._state is not None:  # keep every agent as its last turn left it
+                    async with anyio.create_task_group() as tg:
+                        for agent in self._kept.values():  # those stopped by a cancel too
+                            tg.start_soon(self._keep_or_log, agent)
+            finally:
+                self._scheduler.shutdown()
         self.log.info("runtime.stopped")
 
     async def flush(self) -> None:
