@@ -22,6 +22,7 @@ from anyio import wait_all_tasks_blocked
 
 from mlx_actors import Reply, Runtime
 from mlx_actors.errors import (
+    ContextLengthError,
     CorruptStateError,
     ModelMismatchError,
     StateInUseError,
@@ -597,3 +598,51 @@ async def test_a_closed_agent_leaves_no_files(tiny_dir: Path, tmp_path: Path) ->
         await rt.flush()
     assert list((state / "agents").iterdir()) == []
     assert [p for p in (state / "caches").rglob("*") if p.is_file()] == []
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_model(
+        tmp_path_factory.mktemp("models") / "three", tiny_config(num_hidden_layers=3), seed=7
+    )
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_restored_cache_too_large_beside_its_turn_gives_way_to_a_fresh_start(
+    three_layers: Path, tmp_path: Path
+) -> None:
+    """Four agents whose caches (two blocks a layer, the last one partly filled) each
+    fill most of a pool of nine blocks: a turn cannot keep its own cache beside the
+    block copy and the blocks of its reply, but fits from the conversation. It starts
+    without the cache, as a fresh start would (it was refused), with replies a roomy
+    pool gives; a pool that cannot hold the turn even from the start refuses it as a
+    conversation too long for the pool, not as a pool short for now."""
+    system = "You are a careful reviewer of plans. " * 9
+
+    async def sessions(pool_blocks: int, state: Path) -> list[list[Any]]:
+        replies: list[list[Any]] = []
+        for n in range(3):  # a new runtime each time: every cache comes back from disk
+            async with Runtime(
+                three_layers,
+                pool_blocks=pool_blocks,
+                host_bytes=0,
+                state_dir=state,
+                log_level="off",
+            ) as rt:
+                for name in ("a0", "a1", "a2", "a3"):
+                    if name not in rt.agents:
+                        await rt.spawn(name, system=system + name, max_tokens=40)
+                replies.append([await rt.agents[a].ask(f"Turn {n}?") for a in sorted(rt.agents)])
+        return replies
+
+    tight = await sessions(9, tmp_path / "tight")
+    roomy = await sessions(400, tmp_path / "roomy")
+    assert [[r.tokens for r in s] for s in tight] == [[r.tokens for r in s] for s in roomy]
+    assert any(r.usage.cached_tokens == 0 for r in tight[1])  # started without its cache
+    assert all(r.usage.cached_tokens > 0 for r in roomy[1])
+    async with Runtime(
+        three_layers, pool_blocks=6, host_bytes=0, state_dir=tmp_path / "tight", log_level="off"
+    ) as rt:
+        with pytest.raises(ContextLengthError, match="more than the whole pool of 6"):
+            await rt.agents["a0"].ask("Turn 3?")
+        assert (await rt.stats()).pool.used_blocks == 0  # its cache made way, and the turn

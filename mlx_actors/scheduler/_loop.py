@@ -272,7 +272,14 @@ class EngineLoop:
                     entry.tokens = ()
                     self.outbox.append(("lost", turn, exc))
                     return None
-            uid = self._submit(turn, entry)
+                except PoolExhaustedError:
+                    if self._others_busy(turn.agent):
+                        raise
+                    # Larger than the pool can hold with nothing in flight: the turn
+                    # starts from the conversation (the event loop lets the image go).
+                    self._drop_cache(turn, entry, image.num_blocks, "its saved cache")
+                    self.outbox.append(("restored", turn.agent, None))
+            uid = self._submit_within_pool(turn, entry)
         except MlxActorsError as exc:
             if isinstance(exc, PoolExhaustedError) and self._others_busy(turn.agent):
                 return exc
@@ -301,6 +308,34 @@ class EngineLoop:
                 self._grammar_tokenizer, turn.grammar, len(turn.tokens), self.engine.vocab_size
             )
         ]
+
+    def _submit_within_pool(self, turn: Turn, entry: _Entry) -> int:
+        """Submit ``turn``. If the pool cannot hold the agent's own cache beside the
+        turn's new blocks, and no other cache can leave and no turn in flight free any,
+        the turn starts without that cache (from what other agents' live blocks hold,
+        prefilling the rest), as a fresh start from the conversation would: the cache is
+        dropped, not refused with the turn (a turn the whole pool cannot hold even from
+        the start is :class:`ContextLengthError`)."""
+        try:
+            return self._submit(turn, entry)
+        except PoolExhaustedError:
+            if entry.blocks is None or entry.holding or self._others_busy(turn.agent):
+                raise
+        self._drop_cache(turn, entry, entry.blocks.num_blocks, "its cache")
+        return self._submit(turn, entry)
+
+    def _drop_cache(self, turn: Turn, entry: _Entry, blocks: int, what: str) -> None:
+        """Start ``turn`` without its agent's cache, which the pool cannot hold beside
+        the turn's new blocks: free what the pool holds of it and forget it."""
+        self._free_entry(entry)
+        entry.tokens, entry.stored = (), {}
+        self._log.info(
+            "blocks.dropped",
+            agent=turn.agent,
+            turn=turn.id,
+            blocks=blocks,
+            reason=f"the pool cannot hold {what} beside the turn's new blocks",
+        )
 
     def _submit(self, turn: Turn, entry: _Entry) -> int:
         tokens, blocks = turn.tokens, entry.blocks
