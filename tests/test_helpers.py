@@ -4,6 +4,9 @@ backends; each reply compared with mlx-lm's own on the rendered conversation."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import traceback
 from pathlib import Path
 
@@ -96,6 +99,21 @@ async def test_spawn_seeds_the_conversation(tiny: Loaded) -> None:
         for bad in ([{"role": "system", "content": "x"}], ["text"], [{"role": "user"}]):
             with pytest.raises(InvalidRequestError):
                 await rt.spawn("bad", history=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="non-empty"):
+            await rt.spawn("bad", history=[{"role": "user", "content": " \n"}])
+        # a model may reply with only whitespace (or nothing): its history is taken back
+        quiet = await rt.spawn(
+            "quiet",
+            history=[
+                {"role": "user", "content": "Say nothing."},
+                {"role": "assistant", "content": " \n"},
+            ],
+            max_tokens=12,
+        )
+        again = await rt.spawn("again", history=quiet.history, max_tokens=12)
+        assert again.history == quiet.history
+        reply = await again.ask("Again?")
+        assert list(reply.tokens) == expected(tiny, again, 12)
 
 
 @pytest.mark.anyio
@@ -154,3 +172,33 @@ async def test_asking_after_the_runtime_ended_says_so(tiny: Loaded) -> None:
         agent = await rt.spawn("late", max_tokens=4)
     with pytest.raises(RuntimeClosedError, match="runtime has shut down"):
         await agent.ask("Still there?")
+
+
+def test_a_text_past_the_tokenizers_own_maximum_prints_no_warning(tmp_path: Path) -> None:
+    """The runtime checks lengths against the model's context itself; transformers'
+    "Token indices sequence length is longer than..." reached stderr before its error.
+    (In a process of its own: transformers' handler writes to the stderr it found at
+    import.)"""
+    path = write_random_model(tmp_path / "short", tiny_config(), seed=3)
+    config = path / "tokenizer_config.json"
+    short = config.read_text().replace(f'"model_max_length": {1 << 20}', '"model_max_length": 32')
+    config.write_text(short)
+    script = textwrap.dedent(
+        """
+        import sys
+        import anyio
+        from mlx_actors import Runtime
+
+        async def main() -> None:
+            async with Runtime(sys.argv[1], pool_blocks=50, log_level="off") as rt:
+                agent = await rt.spawn("a", max_tokens=2)
+                print((await agent.ask("word " * 20)).usage.prompt_tokens)
+
+        anyio.run(main)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and int(done.stdout) > 32
+    assert done.stderr == ""

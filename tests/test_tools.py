@@ -207,15 +207,21 @@ async def test_whatever_a_tool_raises_or_returns_the_model_is_told(
             return str(await future)
         raise GeneratorExit
 
+    def infinite() -> dict[str, float]:
+        """Return a number JSON cannot write."""
+        return {"x": float("inf")}
+
     def garbled() -> str:
         """Return text with a lone surrogate, as a bad decode leaves it."""
         return "caf\udce9"
 
     async with Runtime(tiny_dir, pool_blocks=200, log_level="off") as rt:
-        agent = await rt.spawn("t", tools=[looked_up, deep, interrupted, garbled], max_tokens=120)
+        tools = [looked_up, deep, infinite, interrupted, garbled]
+        agent = await rt.spawn("t", tools=tools, max_tokens=120)
         expected = {
             "looked_up": "bad arguments for looked_up: -1",
             "deep": "deep returned list, which is not JSON",
+            "infinite": "infinite returned dict, which is not JSON: Out of range float",
             "interrupted": "interrupted raised "
             + ("CancelledError" if anyio_backend == "asyncio" else "GeneratorExit"),
         }

@@ -1219,10 +1219,11 @@ def _check_timeout(timeout: float | None) -> float | None:
     return timeout
 
 
-def check_text(what: str, text: object, limit: int | None = None) -> str:
-    """``text`` if it is a non-empty string a model can read, and no longer than
-    ``limit`` characters (checked before anything tokenises it)."""
-    if not isinstance(text, str) or not text.strip():
+def check_text(what: str, text: object, limit: int | None = None, *, blank: bool = False) -> str:
+    """``text`` if it is a non-empty string a model can read (with ``blank``, empty or
+    only whitespace too: a reply a model wrote), and no longer than ``limit``
+    characters (checked before anything tokenises it)."""
+    if not isinstance(text, str) or not (blank or text.strip()):
         shown = repr(text)
         shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
         raise InvalidRequestError(f"{what} must be a non-empty string, got {shown}")

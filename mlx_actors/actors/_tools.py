@@ -324,13 +324,15 @@ def _arguments(found: Tool, given: Mapping[str, Any]) -> dict[str, Any]:
 
 def result_text(result: Any) -> str:
     """A tool's result as the model reads it: a string as it is, anything else as JSON
-    (pydantic models through their own serialiser), cut at :data:`MAX_RESULT_CHARS`."""
+    (pydantic models through their own serialiser, which writes NaN and infinities as
+    ``null``), cut at :data:`MAX_RESULT_CHARS`. Raises ``ValueError`` for what JSON
+    cannot write (NaN and infinities included), ``TypeError`` for what it does not know."""
     if isinstance(result, str):
         text = result
     elif isinstance(result, pydantic.BaseModel):
         text = result.model_dump_json()
     else:
-        text = json.dumps(result, ensure_ascii=False)
+        text = json.dumps(result, ensure_ascii=False, allow_nan=False)  # NaN is not JSON
     if len(text) > MAX_RESULT_CHARS:
         text = f"{text[:MAX_RESULT_CHARS]}... [cut: {len(text):,} characters in all]"
     return text

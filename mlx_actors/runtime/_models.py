@@ -132,7 +132,19 @@ def load_model(
     except Exception as exc:  # what a broken directory raises, from mlx-lm or below
         raise _load_error(path, exc) from exc
     log.info("model.loaded", path=str(path), seconds=round(time.monotonic() - started, 2))
+    _quiet_length_warning(tokenizer)
     return LoadedModel(path=path, model=loaded, tokenizer=tokenizer, config=config)
+
+
+def _quiet_length_warning(tokenizer: Any) -> None:
+    """Keep transformers from printing "Token indices sequence length is longer than
+    the specified maximum..." when a text longer than the model's context is tokenised:
+    the runtime refuses such a turn itself (:class:`ContextLengthError`), and the
+    warning would reach stderr before that error. (Transformers warns once per
+    tokenizer, and records that it did in this dictionary.)"""
+    warned = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
 
 
 def _load_error(path: Path, exc: Exception) -> MlxActorsError:

@@ -648,9 +648,9 @@ class Runtime:
             )
         if role not in ("user", "assistant"):
             raise InvalidRequestError(f"history roles are 'user' or 'assistant', got {role!r}")
-        return Message(
-            role=role, content=check_text("content", content, self._scheduler.max_text_chars)
-        )
+        # A model's reply may be empty or only whitespace; a user's text may not.
+        limit, blank = self._scheduler.max_text_chars, role == "assistant"
+        return Message(role=role, content=check_text("content", content, limit, blank=blank))
 
     async def _first_save(self, agent: Agent) -> None:
         """Save a new agent (``persist="turn"``); if that fails, it never existed."""
