@@ -17,6 +17,7 @@ import anyio
 import pytest
 
 from mlx_actors import Runtime
+from mlx_actors.runtime._main import STOPPING
 from mlx_actors.testing import tiny_config, write_random_model
 
 SCRIPT = textwrap.dedent(
@@ -89,7 +90,7 @@ def test_ctrl_c_stops_within_a_step_with_one_line_and_undoes_the_turn(
     _, err = proc.communicate(timeout=60)
     took = time.monotonic() - sent
     assert proc.returncode == 130, err
-    assert err == "interrupted\n"
+    assert err == f"{STOPPING}\ninterrupted\n"
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     longest = max((e["ms"] for e in events if e["event"] == "batch.step"), default=0)
     assert took < 5 + longest / 1e3, (took, longest)  # the step under way, then out
@@ -97,5 +98,53 @@ def test_ctrl_c_stops_within_a_step_with_one_line_and_undoes_the_turn(
     async def check() -> None:
         async with Runtime(slow_dir, pool_blocks=400, state_dir=state, log_level="off") as rt:
             assert rt.agent("ann").history == ()  # the interrupted turn was undone
+
+    anyio.run(check)
+
+
+#: A script whose clean-up after a Ctrl-C takes long (shielded): only a second Ctrl-C
+#: shortens it. The runtime is still open meanwhile, its engine thread running.
+SLOW_EXIT = textwrap.dedent(
+    """
+    import sys
+    import anyio
+    from mlx_actors import Runtime, run
+
+    async def main(model, state, trace):
+        async with Runtime(model, pool_blocks=400, state_dir=state, trace=trace,
+                           log_level="off") as rt:
+            agent = rt.agents.get("ann") or await rt.spawn("ann", max_tokens=100_000)
+            try:
+                await agent.ask("x" * 3000)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    print("cleaning up", flush=True)
+                    await anyio.sleep(600)
+
+    run(main, *sys.argv[1:4], backend=sys.argv[4])
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_second_ctrl_c_stops_at_once_with_one_line(
+    slow_dir: Path, tmp_path: Path, backend: str
+) -> None:
+    state, trace = tmp_path / "state", tmp_path / "run.jsonl"
+    args = [sys.executable, "-c", SLOW_EXIT, str(slow_dir), str(state), str(trace), backend]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(trace, "batch.step", proc)  # the prompt's prefill is under way
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "cleaning up"
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err == f"{STOPPING}\ninterrupted\n"  # no engine thread's traceback
+    assert time.monotonic() - sent < 10  # not the clean-up's ten minutes
+
+    async def check() -> None:  # the state directory opens; the turn never happened
+        async with Runtime(slow_dir, pool_blocks=400, state_dir=state, log_level="off") as rt:
+            assert rt.agent("ann").history == ()
 
     anyio.run(check)

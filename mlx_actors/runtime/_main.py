@@ -1,10 +1,13 @@
 """A script's entry point: :func:`run` an async ``main`` on asyncio or trio, and end it on
-Ctrl-C with one line instead of a traceback."""
+Ctrl-C with one line instead of a traceback (a second Ctrl-C: at once)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -20,15 +23,22 @@ T = TypeVar("T")
 #: The exit status of a process ended by SIGINT, as shells report it (128 + 2).
 INTERRUPTED = 130
 
+#: What the first Ctrl-C prints while the script winds down.
+STOPPING = "stopping after the current step... (Ctrl-C again to stop at once)"
+
 
 def run(main: Callable[..., Awaitable[T]], *args: Any, backend: str = "asyncio") -> T:
     """Run ``main(*args)`` with anyio (``backend``: ``"asyncio"`` or ``"trio"``) and
     return its result.
 
-    Ctrl-C cancels ``main``: a runtime it entered stops after the engine's step in
-    progress (a short one: prefills are paced), turns in flight are undone as on any
-    cancel, and the process exits with status 130 after printing ``interrupted`` on
-    stderr, with no traceback. Other errors propagate as they are.
+    Ctrl-C cancels ``main``: it prints that the script is stopping, a runtime it
+    entered stops after the engine's step in progress (a short one: prefills are
+    paced), turns in flight are undone as on any cancel, and the process exits with
+    status 130 after printing ``interrupted`` on stderr, with no traceback. A second
+    Ctrl-C while it stops ends the process at once (status 130, ``interrupted``): what
+    was in flight is lost as if the process were killed, which a state directory is
+    written to survive (with ``persist="exit"``, the turns since the last save are
+    lost). Other errors propagate as they are.
 
     Raises:
         InvalidRequestError: an event loop already runs in this thread (a notebook):
@@ -40,7 +50,7 @@ def run(main: Callable[..., Awaitable[T]], *args: Any, backend: str = "asyncio")
             "does that): there, await main(...) directly instead"
         )
     try:
-        return anyio.run(main, *args, backend=backend)
+        return anyio.run(_interruptible, main, args, backend=backend)
     except KeyboardInterrupt:
         pass
     except BaseExceptionGroup as group:
@@ -48,6 +58,43 @@ def run(main: Callable[..., Awaitable[T]], *args: Any, backend: str = "asyncio")
             raise
     print("interrupted", file=sys.stderr, flush=True)
     raise SystemExit(INTERRUPTED)
+
+
+async def _interruptible(main: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
+    """``main(*args)``, with the event loop's Ctrl-C handling wrapped (see :func:`run`)."""
+    previous = _watch_interrupts()
+    try:
+        return await main(*args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _watch_interrupts() -> Any:
+    """Wrap the SIGINT handler the event loop installed: the first Ctrl-C says that the
+    script is stopping and goes to the loop (which cancels ``main``); a second ends the
+    process at once. Returns the handler it wrapped (``None``: left alone, off the main
+    thread or with no Python handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        return None
+    seen = 0
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal seen
+        seen += 1
+        if seen == 1:
+            print(STOPPING, file=sys.stderr, flush=True)
+            previous(signum, frame)
+            return
+        sys.stdout.flush()
+        print("interrupted", file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED)  # no waiting on threads, no clean-up: the user asked twice
+
+    signal.signal(signal.SIGINT, handler)
+    return previous
 
 
 def _loop_running() -> bool:
