@@ -75,6 +75,8 @@ def test_a_second_sequence_joins_a_lone_one_mid_decode(
     # alone it emitted a token per step, and one more as it joined the batch
     assert stats.solo_tokens == (join_after + 1 if join_after else 0)
     assert stats.max_decode_batch == 2
+    # the token it joined with was generated, not prefilled
+    assert stats.prefill_tokens == len(first) + len(second)
     # the cache the batch finished with continues exactly
     nxt = prompt(10, 3)
     uid = engine.submit("a", nxt, done[a].blocks, max_tokens=N)

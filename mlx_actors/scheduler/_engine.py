@@ -604,8 +604,8 @@ class BlockPoolBatchEngine:
             if prompted is not None:
                 self._prefilled.append(prompted.agent_id)
                 done = int(pr.progress[0])
-                prompted_tokens += done - prompted.prefilled
-                prompted.prefilled = done
+                prompted_tokens += max(0, done - prompted.prefilled)
+                prompted.prefilled = max(done, prompted.prefilled)
                 prompted.prompting = not pr.end_of_prompt
         if prompted_tokens and not responses:  # nothing decoded: the step was prefill
             self.pacing.record(prompted_tokens, now - jobs_done)
@@ -858,9 +858,19 @@ class BlockPoolBatchEngine:
         self._join(seq, prompt, cache, seq.budget)
 
     def _join(
-        self, seq: _Sequence, prompt: list[int], cache: list[Any] | None, budget: int
+        self,
+        seq: _Sequence,
+        prompt: list[int],
+        cache: list[Any] | None,
+        budget: int,
+        *,
+        generated: bool = False,
     ) -> None:
+        """Insert ``seq`` into the ``BatchGenerator`` with ``prompt`` on ``cache``; a
+        ``generated`` prompt (the token a lone sequence sampled) is not counted as
+        prefilled."""
         seq.prompting = len(prompt) > 1
+        seq.prefilled = len(prompt) if generated else 0
         context = None
         if seq.processors:  # they read the whole sequence: the tokens before the prompt too
             done = [*seq.tokens, *seq.generated]
@@ -890,7 +900,7 @@ class BlockPoolBatchEngine:
         if reason is not None:
             self._done.append(self._finish(seq, run.settle(), reason))
         else:
-            self._join(seq, [token], run.cache, seq.budget - len(seq.generated))
+            self._join(seq, [token], run.cache, seq.budget - len(seq.generated), generated=True)
 
     def _refuse(self, seq: _Sequence, error: MlxActorsError) -> None:
         del self._sequences[seq.uid]
