@@ -219,11 +219,16 @@ _handling: contextvars.ContextVar[tuple[Envelope, ...]] = contextvars.ContextVar
 )
 
 
+def _running() -> tuple[Envelope, ...]:
+    """The requests still running that the calling code runs inside (by a tool)."""
+    return tuple(e for e in _handling.get() if not e.done.is_set())
+
+
 def running_here() -> frozenset[Agent]:
     """The agents whose turns the calling code runs inside (a tool's, or what a tool
     called): stopping one of them must not wait for it, since that would wait for
     itself."""
-    return frozenset(e.agent for e in _handling.get() if not e.done.is_set())
+    return frozenset(e.agent for e in _running())
 
 
 @attrs.define(eq=False)
@@ -745,7 +750,7 @@ class Agent:
         """The requests still running that this call comes from (by a tool); refused
         if one of them is this agent's: it takes one request at a time, so it would
         wait for itself."""
-        senders = tuple(e for e in _handling.get() if not e.done.is_set())
+        senders = _running()
         agents = [e.agent for e in senders]
         if self in agents:
             via = " -> ".join(repr(a.name) for a in (*agents[agents.index(self) :], self))
