@@ -8,6 +8,7 @@ import functools
 import json
 import math
 import random
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,66 @@ async def test_a_turn_given_up_while_saved_whose_undo_fails_oddly_still_gives_ba
         assert ann.history == () and ann.statistics().cached_tokens == 0
         stats = await rt.stats()
         assert stats.pool.used_blocks == 0 and stats.turns_in_flight == 0
+
+
+@pytest.mark.parametrize("kind", ["ask", "tell"])
+async def test_a_flush_while_an_outcome_waits_for_its_caller_keeps_nothing_it_gives_up(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """With ``persist="exit"``, a flush runs after a turn (or a told message) is made and
+    before its caller, cancelled meanwhile, takes it: the flush writes it, the agent then
+    takes it back. Before, only the memory was undone: a process killed at that point
+    reopened with a turn whose caller had seen a cancel."""
+    from mlx_actors.actors._agent import Agent
+
+    state = tmp_path / "state"
+    scopes: dict[str, anyio.CancelScope] = {}
+    delivered, abandon = Agent._delivered, Envelope.abandon
+    written: list[list[str]] = []
+
+    def delivered_then_cancelled(self: Agent, envelope: Envelope, *args: Any) -> None:
+        delivered(self, envelope, *args)
+        if (scope := scopes.pop(self.name, None)) is not None:
+            scope.cancel()  # the caller gives up before it could take the outcome
+
+    async def flush_then_abandon(self: Envelope) -> None:
+        if self.delivering and self.receipt is None:  # made, not yet taken
+            with anyio.CancelScope(shield=True):
+                await rt.flush()  # the flush lands inside the hold
+            written.append([m["content"] for m in records_on_disk(state, self.agent.name)])
+        await abandon(self)
+
+    monkeypatch.setattr(Agent, "_delivered", delivered_then_cancelled)
+    monkeypatch.setattr(Envelope, "abandon", flush_then_abandon)
+    with anyio.fail_after(60):
+        async with Runtime(
+            tiny_dir, pool_blocks=100, log_level="off", state_dir=state, persist="exit"
+        ) as rt:
+            ann = await rt.spawn("ann", max_tokens=8)
+            first = await ann.ask("Hello there")
+            told = "And then?"
+            scopes["ann"] = scope = anyio.CancelScope()
+            with scope:
+                await (ann.ask(told) if kind == "ask" else ann.tell(told))
+            assert scope.cancelled_caught  # the caller saw a cancel
+            kept = ["Hello there", first.text]
+            assert [m.content for m in ann.history] == kept
+            assert written[0][:3] == [*kept, told]  # the flush wrote the outcome
+            assert records_on_disk(state, "ann") == [  # taking it back wrote it again
+                {"role": "user", "content": "Hello there"},
+                {"role": "assistant", "content": first.text},
+            ]
+            shutil.copytree(state, tmp_path / "killed")  # as a kill -9 would leave it
+    async with Runtime(
+        tiny_dir, pool_blocks=100, log_level="off", state_dir=tmp_path / "killed"
+    ) as rt:
+        ann = rt.agent("ann")
+        assert [m.content for m in ann.history] == kept
+        again = await ann.ask(told)
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off") as rt:
+        fresh = await rt.spawn("ann", max_tokens=8)
+        await fresh.ask("Hello there")
+        assert (await fresh.ask(told)).tokens == again.tokens
 
 
 # -- 2. a full disk: the turn fails, typed, and nothing returned is lost -----------------

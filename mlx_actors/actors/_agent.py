@@ -182,6 +182,16 @@ class Keeper(Protocol):
         """After a turn or a reset: save what changed (raise
         :class:`~mlx_actors.errors.StateWriteError` if it could not be saved)."""
 
+    def writes(self, agent: Agent) -> int:
+        """How many saves of ``agent`` have read it so far (a ``flush`` too): one more
+        since a turn was committed means the state directory may hold that turn."""
+        ...
+
+    async def rewrite(self, agent: Agent) -> None:
+        """Save ``agent`` as it is now, whatever the keeper saves after turns: a turn
+        written meanwhile was taken back (raise
+        :class:`~mlx_actors.errors.StateWriteError` if it could not be saved)."""
+
     def closing(self, agent: Agent) -> None:
         """``close()`` began: the name stays taken until :meth:`closed`."""
 
@@ -207,6 +217,8 @@ class _Before:
     cached: tuple[int, int]
     system: str | None
     tools: tuple[Tool, ...]
+    #: The keeper's count of the agent's saves (see :meth:`Keeper.writes`).
+    writes: int
 
 
 #: The requests this task is handling, outermost first: the one its agent is running,
@@ -987,7 +999,8 @@ class Agent:
         """Whether a reply under ``schema`` took the answer's branch of its grammar (a
         call starts with the call's opening): then it holds no call, whatever its text
         says."""
-        return envelope.schema is not None and not text.startswith(self._tool_format().start)
+        start = self._tool_format().start
+        return envelope.schema is not None and not text.lstrip().startswith(start)
 
     async def _grammar(
         self, envelope: Envelope, options: TurnOptions, tools: tuple[Tool, ...], first: bool
@@ -1076,7 +1089,7 @@ class Agent:
         prefix of it: the next turn prefills the rest)."""
         after = self._snapshot()
         self._undo_commit(before)
-        if self._keeper is None or not self._keeper.saves_turns or await self._save_undo():
+        if not self._written_since(before.writes) or await self._save_undo():
             return True
         self._restore(after, cache=False)
         return False
@@ -1094,7 +1107,18 @@ class Agent:
             cached=(self._cached_tokens, self._cached_blocks),
             system=self.system,
             tools=self._tools,
+            writes=self._writes(),
         )
+
+    def _writes(self) -> int:
+        return 0 if self._keeper is None else self._keeper.writes(self)
+
+    def _written_since(self, writes: int) -> bool:
+        """Whether the state directory may hold what changed since the keeper's count
+        was ``writes``: it saves every turn, or a save (a ``flush``) read the agent
+        since."""
+        keeper = self._keeper
+        return keeper is not None and (keeper.saves_turns or keeper.writes(self) != writes)
 
     def _restore(self, before: _Before, *, cache: bool = True) -> None:
         """Put back what ``before`` holds (the cache's size only with ``cache``)."""
@@ -1109,7 +1133,7 @@ class Agent:
         gets the reply after all)."""
         assert self._keeper is not None
         try:
-            await self._keeper.changed(self)
+            await self._keeper.rewrite(self)
         except MlxActorsError as exc:
             self._log.error("agent.save_failed", agent=self.name, error=str(exc))
             return False
@@ -1135,7 +1159,7 @@ class Agent:
 
     async def _tell(self, envelope: Envelope) -> None:
         assert envelope.message is not None
-        before = self._messages
+        before, writes = self._messages, self._writes()
         self._messages = [*before, envelope.message]
         if self._keeper is not None:
             with anyio.CancelScope(shield=True):  # short, and must not stop half-way
@@ -1145,15 +1169,15 @@ class Agent:
                     self._messages = before
                     raise
                 if envelope.cancelled:  # the caller gave up: as if never told
-                    await self._untell(before)
+                    await self._untell(before, writes)
         if self._messages is not before:
-            self._delivered(envelope, functools.partial(self._untell, before))
+            self._delivered(envelope, functools.partial(self._untell, before, writes))
 
-    async def _untell(self, before: list[Message]) -> None:
+    async def _untell(self, before: list[Message], writes: int) -> None:
         """Take back a message whose caller went away (it stays if saving the agent
         without it failed)."""
         after, self._messages = self._messages, before
-        if self._keeper is not None and not await self._save_undo():
+        if self._written_since(writes) and not await self._save_undo():
             self._messages = after
 
     async def _reset(self) -> None:

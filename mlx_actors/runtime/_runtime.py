@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import shutil
@@ -226,6 +227,8 @@ class Runtime:
         #: Names of agents being made (a fork), not yet in ``_agents``.
         self._claimed: set[str] = set()
         self._keeping: dict[str, anyio.Lock] = {}
+        #: How many saves read each agent (see :meth:`writes`).
+        self._writes: collections.Counter[str] = collections.Counter()
         #: Names (case-folded) of agents being closed: taken until their files are gone.
         self._closing: dict[str, anyio.Event] = {}
         #: Every agent not closed by its user, live or stopped: what leaving keeps (and
@@ -426,6 +429,7 @@ class Runtime:
         async with self._keeping.setdefault(agent.name, anyio.Lock()):
             if self._kept.get(agent.name) is not agent:  # closed: its files are gone
                 return
+            self._writes[agent.name] += 1
             options = agent.options
             messages = [m.as_dict() for m in agent.history if m.role != "system"]
             record = AgentRecord(
@@ -457,6 +461,16 @@ class Runtime:
         """The agents' keeper: save an agent after each turn (``persist="turn"``)."""
         if self.saves_turns:
             await self._keep(agent)
+
+    def writes(self, agent: Agent) -> int:
+        """The agents' keeper: how many saves have read ``agent`` (a ``flush`` inside a
+        turn's hold may write a turn whose caller then gives up)."""
+        return self._writes[agent.name]
+
+    async def rewrite(self, agent: Agent) -> None:
+        """The agents' keeper: save ``agent`` now (a turn written meanwhile was taken
+        back)."""
+        await self._keep(agent)
 
     # -- moving agents between runtimes (a cluster's replicas) ---------------------------
 
