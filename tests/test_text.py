@@ -90,3 +90,27 @@ async def test_a_turn_whose_last_token_completes_a_stop_ends_with_stop(tiny_dir:
         reply = await agent.ask("Hello", stop="x ", max_tokens=n)  # its last token: " "
         assert reply.tokens == free.tokens[:n]
         assert (reply.text, reply.finish_reason) == (free.text[: free.text.find("x ")], "stop")
+
+
+@pytest.mark.parametrize("text", [" Hello", "  Hello", " ", " x y"])
+def test_a_reply_that_begins_with_a_space_keeps_it(tiny: Loaded, text: str) -> None:
+    """mlx-lm's BPE detokenizer drops it; the tokenizer's decode keeps it, and so must
+    the reply, or the next turn renders it to other tokens than the cache holds."""
+    pieces, streamed, _ = stream_of(tiny, text)
+    assert streamed == text == tiny.tokenizer.decode(tiny.tokenizer.encode(text))
+    assert "".join(pieces) == text
+
+
+@pytest.mark.anyio
+async def test_the_next_turn_reuses_a_reply_that_began_with_a_space(tiny_dir: Path) -> None:
+    """The reply's text renders back to the tokens the model wrote, the first one's
+    space included, so the next turn reuses the whole of it from the cache."""
+    # a space first, then "x" and " " in turn: each is barred right after itself
+    spaced = dict(logit_bias={32: 30.0, ord("x"): 28.0}, presence_penalty=60.0)
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off") as rt:
+        agent = await rt.spawn("a", max_tokens=6)
+        first = await agent.ask("Hello", repetition_context_size=1, **spaced)
+        assert first.text == " x x x"
+        second = await agent.ask("And then?")
+        cached = first.usage.prompt_tokens + first.usage.generated_tokens
+        assert second.usage.reusable_tokens == second.usage.cached_tokens == cached

@@ -82,7 +82,8 @@ def _object(value: object) -> dict[str, Any]:
 class Reply:
     """An agent's answer to one turn. ``str(reply)`` is its text."""
 
-    #: The generated text (no end-of-turn token, no matched stop string).
+    #: The generated text (no end-of-turn token, no matched stop string): what the
+    #: tokens decode to, a leading space included.
     text: str
     #: The generated token ids.
     tokens: tuple[int, ...]

@@ -4,15 +4,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+#: How a byte-level BPE vocabulary writes a space (GPT-2's byte-to-character map).
+_BPE_SPACE = "\u0120"
+
 
 class TextStream:
     """Feeds a sequence's tokens to a streaming detokenizer and hands out the text that
     is safe to show: never half a character, never the start of a possible stop string.
-    The pieces handed out add up to :attr:`text` once :meth:`finish` has run."""
+    The pieces handed out add up to :attr:`text` once :meth:`finish` has run.
+
+    The text is what the tokens decode to, a leading space included: mlx-lm's BPE
+    detokenizer drops the space a sequence's first token begins with (the tokenizer's
+    own ``decode`` keeps it), and a reply without it renders, in the next turn, to
+    other tokens than the ones the cache holds. (Its SentencePiece detokenizer drops
+    such a space too, as SentencePiece's decode does; that one is left as it is.)"""
 
     def __init__(self, detokenizer: Any, stops: tuple[str, ...]) -> None:
         self._detokenizer = detokenizer
         self._stops = stops
+        self._drops_space = isinstance(detokenizer, BPEStreamingDetokenizer)
+        #: The space the detokenizer dropped (once the first token is known).
+        self._lead: str | None = None
         self._emitted = 0
         self._end: int | None = None
         #: The final text, set by :meth:`finish`.
@@ -28,8 +42,10 @@ class TextStream:
         if self._end is not None:
             return "", True
         if not eos:
+            if self._lead is None:
+                self._lead = " " if self._dropped(token) else ""
             self._detokenizer.add_token(token)
-        return self._advance(str(self._detokenizer.text), final=False)
+        return self._advance(self._text(), final=False)
 
     def finish(self) -> tuple[str, bool]:
         """Flush what was held back (a detokenizer may hold text until the next token,
@@ -37,10 +53,20 @@ class TextStream:
         was completed only now, and sets :attr:`text`."""
         if self._end is None:
             self._detokenizer.finalize()
-            piece, matched = self._advance(str(self._detokenizer.text), final=True)
-            self.text = str(self._detokenizer.text)[: self._emitted]
+            piece, matched = self._advance(self._text(), final=True)
+            self.text = self._text()[: self._emitted]
             return piece, matched
         return "", False
+
+    def _dropped(self, first: int) -> bool:
+        """Whether the detokenizer drops the space token ``first`` begins with."""
+        if not self._drops_space:
+            return False
+        tokenmap = self._detokenizer.tokenmap
+        return first < len(tokenmap) and str(tokenmap[first]).startswith(_BPE_SPACE)
+
+    def _text(self) -> str:
+        return (self._lead or "") + str(self._detokenizer.text)
 
     def _advance(self, text: str, *, final: bool) -> tuple[str, bool]:
         start = self._emitted
