@@ -36,10 +36,22 @@ def load(path: Path) -> Loaded:
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every async test runs on both of anyio's backends, except the slowest checks of
-    cache exactness, which run each of their cases on one of them (``anyio_backend``
-    parametrized with the case): what they check does not depend on the event loop."""
+    """Every async test runs on both of anyio's backends, except where what it checks
+    does not depend on the event loop (the engine's exactness, sharing, the cluster):
+    those modules run on asyncio alone (:func:`asyncio_only`), and their slowest checks
+    run each case on one of the two (``anyio_backend`` parametrized with the case)."""
     return str(request.param)
+
+
+def asyncio_only() -> Any:
+    """``anyio_backend = asyncio_only()`` in a module: its async tests run on asyncio
+    alone."""
+
+    @pytest.fixture(name="anyio_backend")
+    def one_loop() -> str:
+        return "asyncio"
+
+    return one_loop
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,14 @@ from mlx_actors import Runtime
 from mlx_actors.cluster import Cluster
 from mlx_actors.errors import InvalidRequestError, ReplicaLostError, RuntimeClosedError
 
+from .conftest import asyncio_only
+
 # One local Ray instance at a time: these tests run in one worker process.
 pytestmark = [pytest.mark.anyio, pytest.mark.xdist_group("ray")]
+
+# The driver runs on both event loops in two tests (marked); the rest check what does
+# not depend on the loop.
+anyio_backend = asyncio_only()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,6 +49,7 @@ async def single_runtime(model: Path, script: list[tuple[str, str, str]]) -> lis
         return out
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])  # the driver on both
 async def test_replies_match_one_runtime_and_placement_is_sticky(tiny_dir: Path) -> None:
     script = [
         (f"a{i}", f"You are agent {i}.", f"Turn {t} for a{i}") for t in range(2) for i in range(4)
@@ -118,6 +125,7 @@ async def test_a_replica_killed_mid_turn_loses_nothing_that_was_answered(
         assert len(await cl.agent("ann").history()) == 5
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])  # the driver on both
 async def test_a_remote_stream_gives_the_pieces_then_the_reply(tiny_dir: Path) -> None:
     async with Cluster(tiny_dir, **OPTIONS) as cl:
         ann = await cl.spawn("ann", system="You are Ann.", max_tokens=12)

@@ -24,8 +24,11 @@ from mlx_actors.scheduler import (
 from mlx_actors.scheduler._prefix import runs_of
 from mlx_actors.testing import family_configs, write_random_model
 
-from .conftest import Loaded, ReferenceChat, load, render, run_to_completion
+from .conftest import Loaded, ReferenceChat, asyncio_only, load, render, run_to_completion
 from .test_spec import MAMBA
+
+# What these tests check does not depend on the event loop.
+anyio_backend = asyncio_only()
 
 WINDOW = 40
 FAMILIES = family_configs(WINDOW)

