@@ -19,6 +19,20 @@ from anyio.lowlevel import EventLoopToken
 
 from ..errors import CorruptStateError, MlxActorsError, RuntimeClosedError
 from ._engine import BlockPoolBatchEngine
+from ._events import (
+    Cancelled,
+    Event,
+    Evicted,
+    Failed,
+    Finished,
+    Forked,
+    NeedsRestore,
+    Printed,
+    Restored,
+    RestoreFailed,
+    SaveReady,
+    Statistics,
+)
 from ._host import HostCaches
 from ._image import CacheImage
 from ._loop import EngineLoop, Outbox
@@ -451,56 +465,64 @@ class Scheduler:
             turn.settled.set()
         turn.cancelled.set()
 
-    def _deliver(self, items: Outbox) -> None:
-        """Runs on the event loop: hand one step's results to their turns, in order."""
-        for item in items:
+    def _deliver(self, events: Outbox) -> None:
+        """Runs on the event loop: hand one step's events to their turns, in order."""
+        for event in events:
             try:
-                self._deliver_one(*item)
+                self._deliver_one(event)
             except Exception as exc:  # one broken reply must not stop the others
-                self._log.error("scheduler.delivery_failed", kind=item[0], error=repr(exc))
+                self._log.error(
+                    "scheduler.delivery_failed", kind=type(event).__name__, error=repr(exc)
+                )
 
-    def _deliver_one(self, kind: str, target: Any, value: Any) -> None:
-        if kind == "text":
-            if target.on_text is not None and not target.settled.is_set():
-                target.on_text(value)
-        elif kind == "done":
-            target.result = value
-            target.settled.set()
-        elif kind == "failed":
-            self._fail(target, value)
-        elif kind == "cancelled":
-            target.cancelled.set()
-        elif kind == "restore":
-            target.needs_restore = True
-            target.settled.set()
-        elif kind == "evicted":
-            self._on_disk.add(target)
-            self._disk(target, functools.partial(self._write_evicted, target, value))
-        elif kind == "lost":
-            agent = target.agent
-            self._log.error("blocks.lost", agent=agent, error=str(value))
-            self._on_disk.discard(agent)
-            self._host.drop(agent)
-            self._disk(agent, functools.partial(self._store.drop, agent))
-            self._fail(
-                target,
-                CorruptStateError(
-                    f"the saved cache of agent {agent!r} ({self._store.where(agent)}) "
-                    f"does not fit the model, so it was deleted and the agent's next "
-                    f"turn starts from its conversation: {value}"
-                ),
-            )
-        elif kind == "restored":
-            self._on_disk.discard(target)
-            self._host.drop(target)
-            if not self._store.persistent:  # a swap area keeps only what is out
-                self._disk(target, functools.partial(self._store.drop, target))
-        elif kind == "save":
-            self._disk(target.agent, functools.partial(self._save_for, target, value))
-        elif kind == "stats":
-            target(value)  # a Query's reply callback
-        elif kind == "forked":
-            target.reply(value)
+    def _deliver_one(self, event: Event) -> None:
+        match event:
+            case Printed(turn, text):
+                if turn.on_text is not None and not turn.settled.is_set():
+                    turn.on_text(text)
+            case Finished(turn, result):
+                turn.result = result
+                turn.settled.set()
+            case Failed(turn, error):
+                self._fail(turn, error)
+            case Cancelled(turn):
+                turn.cancelled.set()
+            case NeedsRestore(turn):
+                turn.needs_restore = True
+                turn.settled.set()
+            case Evicted(agent, image):
+                self._on_disk.add(agent)
+                self._disk(agent, functools.partial(self._write_evicted, agent, image))
+            case RestoreFailed(turn, error):
+                self._lost(turn, error)
+            case Restored(agent):
+                self._on_disk.discard(agent)
+                self._host.drop(agent)
+                if not self._store.persistent:  # a swap area keeps only what is out
+                    self._disk(agent, functools.partial(self._store.drop, agent))
+            case SaveReady(command, image):
+                self._disk(command.agent, functools.partial(self._save_for, command, image))
+            case Statistics(reply, statistics):
+                reply(statistics)
+            case Forked(command, on_disk):
+                command.reply(on_disk)
+
+    def _lost(self, turn: Turn, error: BaseException) -> None:
+        """The cache read back for ``turn``'s agent does not fit the model: delete it,
+        and fail the turn (the agent's next turn starts from its conversation)."""
+        agent = turn.agent
+        self._log.error("blocks.lost", agent=agent, error=str(error))
+        self._on_disk.discard(agent)
+        self._host.drop(agent)
+        self._disk(agent, functools.partial(self._store.drop, agent))
+        self._fail(
+            turn,
+            CorruptStateError(
+                f"the saved cache of agent {agent!r} ({self._store.where(agent)}) "
+                f"does not fit the model, so it was deleted and the agent's next "
+                f"turn starts from its conversation: {error}"
+            ),
+        )
 
     async def _save_for(self, command: Save, image: CacheImage | None) -> None:
         try:
