@@ -4,6 +4,7 @@ tokens they hold so that any sequence starts from the longest prefix any agent c
 
 from __future__ import annotations
 
+import enum
 import itertools
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -59,6 +60,21 @@ from ._tokens import common_prefix
 _AUTO: Any = object()
 
 
+class _State(enum.Enum):
+    """Where a sequence is."""
+
+    #: Starts at the next step.
+    PENDING = "pending"
+    #: Waits for a prefill job's checkpoint.
+    PARKED = "parked"
+    #: Its own prefill job runs.
+    JOB = "job"
+    #: In the ``BatchGenerator``'s batch.
+    RUNNING = "running"
+    #: Decoding alone, outside the batch (:class:`Solo`).
+    SOLO = "solo"
+
+
 @attrs.define(eq=False)
 class _Sequence:
     uid: int
@@ -83,10 +99,7 @@ class _Sequence:
     text: TextStream
     on_token: Callable[[TokenEvent], None] | None
     submitted: float
-    #: ``pending`` (starts at the next step), ``parked`` (waits for a prefill job's
-    #: checkpoint), ``job`` (its own prefill job runs), ``running`` (in the batch),
-    #: ``solo`` (decoding alone, outside the batch: :class:`Solo`).
-    state: str = "pending"
+    state: _State = _State.PENDING
     source: Source = attrs.field(factory=lambda: Source(length=0, layers=()))
     #: References it holds until it finishes: its source's blocks and more.
     held: list[KVBlock] = attrs.Factory(list)
@@ -437,14 +450,14 @@ class BlockPoolBatchEngine:
             not_reused=self._not_reused(seq.kept, source.length),
         )
         if target is None:
-            seq.state = "pending"
+            seq.state = _State.PENDING
             self._pending.append(seq)
             return
         job, at, _ = target
         job.checkpoints.setdefault(at, []).append(seq)
         if self._lost(seq) and job.pos < seq.kept < at:
             job.keep(seq.kept, seq)
-        seq.state, seq.waiting = "parked", (job, at)
+        seq.state, seq.waiting = _State.PARKED, (job, at)
         owner = job.owner.agent_id if job.owner is not None else None
         seq.admission = attrs.evolve(seq.admission, waits_for=owner, waits_tokens=at)
 
@@ -518,7 +531,7 @@ class BlockPoolBatchEngine:
             # their state (the turn's checkpoint, see _publish).
             job.keep(seq.kept, seq)
         seq.reservation, seq.held, seq.seed = None, [], None
-        seq.state, seq.job = "job", job
+        seq.state, seq.job = _State.JOB, job
         self._jobs.append(job)
         self._prefill_jobs += 1
         return job
@@ -851,7 +864,7 @@ class BlockPoolBatchEngine:
                 processors=seq.processors,
                 context=seq.tokens[:-1],
             )
-            seq.state, self._solo = "solo", (seq, run)
+            seq.state, self._solo = _State.SOLO, (seq, run)
             return
         if self._solo is not None:
             self._hand_over()
@@ -883,7 +896,7 @@ class BlockPoolBatchEngine:
             samplers=[seq.sampler] if seq.sampler is not None else None,
             logits_processors=[seq.processors] if seq.processors else None,
         )
-        seq.state, seq.gen_uid = "running", gen_uid
+        seq.state, seq.gen_uid = _State.RUNNING, gen_uid
         self._running[gen_uid] = seq
 
     def _hand_over(self) -> None:
@@ -922,7 +935,7 @@ class BlockPoolBatchEngine:
         if seq.gen_uid is not None:
             del self._running[seq.gen_uid]
         tokens = (*seq.tokens, *seq.generated)
-        if seq.state == "solo":  # the cache is the sequence's own: keep it for its agent
+        if seq.state is _State.SOLO:  # the cache is the sequence's own: keep it for its agent
             self._hot.keep(seq.agent_id, tokens, cache)
         try:
             blocks = from_cache(
@@ -975,21 +988,21 @@ class BlockPoolBatchEngine:
         seq = self._sequences.pop(uid, None)
         if seq is None:
             return False
-        if seq.state == "running":
+        if seq.state is _State.RUNNING:
             assert seq.gen_uid is not None
             del self._running[seq.gen_uid]
             self._generator.remove([seq.gen_uid])
-        elif seq.state == "solo":
+        elif seq.state is _State.SOLO:
             self._solo = None
-        elif seq.state == "pending":
+        elif seq.state is _State.PENDING:
             self._pending.remove(seq)
-        elif seq.state == "parked":
+        elif seq.state is _State.PARKED:
             assert seq.waiting is not None
             job, _ = seq.waiting
             job.leave(seq)
             if job.orphaned and job in self._jobs:
                 self._drop_job(job)
-        elif seq.state == "job":
+        elif seq.state is _State.JOB:
             assert seq.job is not None
             seq.job.leave(seq)  # it goes on for the sequences that wait on it
             if seq.job.orphaned:
