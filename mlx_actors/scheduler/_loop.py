@@ -18,22 +18,9 @@ from ..errors import (
     PoolExhaustedError,
     RuntimeClosedError,
 )
+from . import _events as events
 from ._constraint import Constraint, grammar_tokenizer
 from ._engine import BlockPoolBatchEngine
-from ._events import (
-    Cancelled,
-    Event,
-    Evicted,
-    Failed,
-    Finished,
-    Forked,
-    NeedsRestore,
-    Printed,
-    Restored,
-    RestoreFailed,
-    SaveReady,
-    Statistics,
-)
 from ._image import CacheImage, make_blocks, stored_ids, take_image
 from ._pool import AgentBlocks, KVBlock
 from ._protocol import (
@@ -55,7 +42,7 @@ from ._protocol import (
 from ._records import TokenEvent
 
 #: One step's events for the event loop, in order.
-Outbox = list[Event]
+Outbox = list[events.Event]
 
 
 @attrs.define(eq=False)
@@ -213,7 +200,7 @@ class EngineLoop:
         elif isinstance(command, Fork):
             self._fork(command)
         elif isinstance(command, Query):
-            self.outbox.append(Statistics(command.reply, self.snapshot()))
+            self.outbox.append(events.Statistics(command.reply, self.snapshot()))
 
     # -- admission, eviction, restore ------------------------------------------------------
 
@@ -277,7 +264,7 @@ class EngineLoop:
         try:
             if entry.blocks is None and entry.tokens:
                 if image is None:  # on disk: the event loop reads it, then sends it back
-                    self.outbox.append(NeedsRestore(turn))
+                    self.outbox.append(events.NeedsRestore(turn))
                     return None
                 try:
                     self._restore(turn.agent, entry, image)
@@ -285,7 +272,7 @@ class EngineLoop:
                     # A cache that does not fit is never used: the agent starts over
                     # from its conversation, and the event loop deletes the files.
                     entry.tokens = ()
-                    self.outbox.append(RestoreFailed(turn, exc))
+                    self.outbox.append(events.RestoreFailed(turn, exc))
                     return None
                 except PoolExhaustedError:
                     if self._others_busy(turn.agent):
@@ -293,17 +280,17 @@ class EngineLoop:
                     # Larger than the pool can hold with nothing in flight: the turn
                     # starts from the conversation (the event loop lets the image go).
                     self._drop_cache(turn, entry, image.num_blocks, "its saved cache")
-                    self.outbox.append(Restored(turn.agent))
+                    self.outbox.append(events.Restored(turn.agent))
             uid = self._submit_within_pool(turn, entry)
         except MlxActorsError as exc:
             if isinstance(exc, PoolExhaustedError) and self._others_busy(turn.agent):
                 return exc
             self._log.info("turn.refused", agent=turn.agent, turn=turn.id, error=type(exc).__name__)
-            self.outbox.append(Failed(turn, exc))
+            self.outbox.append(events.Failed(turn, exc))
             return None
         except Exception as exc:
             error = EngineError(f"the engine could not take the turn: {exc!r}")
-            self.outbox.append(Failed(turn, error))
+            self.outbox.append(events.Failed(turn, error))
             return None
         entry.busy = True
         turn.uid = uid
@@ -362,7 +349,7 @@ class EngineLoop:
 
             def on_token(event: TokenEvent, turn: Turn = turn) -> None:
                 if event.text:
-                    self.outbox.append(Printed(turn, event.text))
+                    self.outbox.append(events.Printed(turn, event.text))
 
         try:
             uid = self.engine.submit(
@@ -455,7 +442,7 @@ class EngineLoop:
             ms=round((time.perf_counter() - started) * 1e3, 2),
             pool_used=self.pool.used_blocks,
         )
-        self.outbox.append(Evicted(name, image))
+        self.outbox.append(events.Evicted(name, image))
         return True
 
     def _evictable_together(self, idle: dict[str, _Entry]) -> str | None:
@@ -502,7 +489,7 @@ class EngineLoop:
             ms=round((time.perf_counter() - started) * 1e3, 2),
             pool_used=self.pool.used_blocks,
         )
-        self.outbox.append(Restored(agent))
+        self.outbox.append(events.Restored(agent))
 
     def _take_image(self, entry: _Entry, *, whole: bool = False) -> CacheImage:
         assert entry.blocks is not None
@@ -532,7 +519,7 @@ class EngineLoop:
             shared_blocks=blocks,
             pool_used=self.pool.used_blocks,
         )
-        self.outbox.append(Forked(command, parent.blocks is None and bool(parent.tokens)))
+        self.outbox.append(events.Forked(command, parent.blocks is None and bool(parent.tokens)))
 
     # -- the rest of a turn's life ---------------------------------------------------------
 
@@ -546,7 +533,7 @@ class EngineLoop:
             self._log.info(
                 "turn.cancelled", agent=turn.agent, turn=turn.id, pool_used=self.pool.used_blocks
             )
-        self.outbox.append(Cancelled(turn))
+        self.outbox.append(events.Cancelled(turn))
 
     def _commit(self, command: Commit) -> None:
         entry = self._entry(command.agent)
@@ -590,7 +577,7 @@ class EngineLoop:
         image = None
         if entry is not None and entry.blocks is not None:
             image = self._take_image(entry)
-        self.outbox.append(SaveReady(command, image))
+        self.outbox.append(events.SaveReady(command, image))
 
     def _step(self) -> None:
         engine = self.engine
@@ -602,7 +589,7 @@ class EngineLoop:
             for uid in exc.uids:
                 turn = self.turns.pop(uid)
                 self._entry(turn.agent).busy = False
-                self.outbox.append(Failed(turn, exc))
+                self.outbox.append(events.Failed(turn, exc))
             self._room = True
             return
         self._refused()
@@ -639,7 +626,7 @@ class EngineLoop:
                 total_ms=round(result.total_s * 1e3, 1),
                 pool_used=self.pool.used_blocks,
             )
-            self.outbox.append(Finished(turn, result))
+            self.outbox.append(events.Finished(turn, result))
 
     def _refused(self) -> None:
         """Fail the turns the engine refused (waiting for a shared prefix, they could no
@@ -657,7 +644,7 @@ class EngineLoop:
             self._log.info(
                 "turn.refused", agent=turn.agent, turn=turn.id, error=type(error).__name__
             )
-            self.outbox.append(Failed(turn, error))
+            self.outbox.append(events.Failed(turn, error))
 
     def snapshot(self) -> SchedulerStatistics:
         holders: dict[int, int] = {}
@@ -688,7 +675,7 @@ class EngineLoop:
         """Fail every turn in flight, free every block, answer what is left unread."""
         closed = RuntimeClosedError("the runtime shut down before the turn finished")
         for turn in [*self.turns.values(), *(turn for turn, _ in self.waiting)]:
-            self.outbox.append(Failed(turn, closed))
+            self.outbox.append(events.Failed(turn, closed))
         self.turns.clear()
         self.waiting.clear()
         self.engine.close()
@@ -704,15 +691,15 @@ class EngineLoop:
         final = self.snapshot()
         for command in leftovers:
             if isinstance(command, Submit):
-                self.outbox.append(Failed(command.turn, closed))
+                self.outbox.append(events.Failed(command.turn, closed))
             elif isinstance(command, Cancel):
-                self.outbox.append(Cancelled(command.turn))
+                self.outbox.append(events.Cancelled(command.turn))
             elif isinstance(command, Query):
-                self.outbox.append(Statistics(command.reply, final))
+                self.outbox.append(events.Statistics(command.reply, final))
             elif isinstance(command, Save):
-                self.outbox.append(SaveReady(command, None))
+                self.outbox.append(events.SaveReady(command, None))
             elif isinstance(command, Fork):
-                self.outbox.append(Forked(command, None))
+                self.outbox.append(events.Forked(command, None))
         return final
 
 
