@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import attrs
 import mlx.core as mx
@@ -18,9 +17,6 @@ import mlx.core as mx
 from ..errors import InvalidRequestError, PoolExhaustedError
 from ._spec import ModelCacheSpec
 from ._tokens import common_prefix
-
-if TYPE_CHECKING:
-    from ._prefix import Node
 
 
 @attrs.define(eq=False, repr=False)
@@ -41,8 +37,6 @@ class KVBlock:
     start: int
     keys: mx.array | None
     values: mx.array | None
-    #: The prefix index's node for the tokens the block was computed from.
-    node: Node | None = None
     # The arrays' length, read once: rebuilding a cache asks every block's end.
     _tokens: int = attrs.field(init=False, default=0)
 

@@ -91,6 +91,8 @@ class PrefixIndex:
     def __init__(self, spec: ModelCacheSpec) -> None:
         self.spec = spec
         self._roots: dict[Hashable, Node] = {}
+        #: The node each block was made for, by block id.
+        self._node_of: dict[int, Node] = {}
         self._sliding = any(layer.kind is LayerKind.SLIDING for layer in spec.layers)
 
     def root(self, namespace: Hashable) -> Node:
@@ -114,15 +116,14 @@ class PrefixIndex:
     def attach(self, node: Node, block: KVBlock) -> None:
         """Index ``block`` (made for ``node``'s prefix) unless a block holding more of the
         node is already indexed for its layer."""
-        block.node = node
+        self._node_of[block.id] = node
         held = node.blocks.get(block.layer)
         if held is None or block.start < held.start:
             node.blocks[block.layer] = block
 
     def detach(self, block: KVBlock) -> None:
         """The pool released ``block``: forget it, and the nodes left empty."""
-        node = block.node
-        block.node = None
+        node = self._node_of.pop(block.id, None)
         if node is None or node.blocks.get(block.layer) is not block:
             return
         del node.blocks[block.layer]
