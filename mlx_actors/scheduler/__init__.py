@@ -8,11 +8,7 @@ the ``Scheduler`` actor owns that engine on its thread, moving idle agents' cach
 
 from ._actor import Scheduler as Scheduler
 from ._constraint import Constraint as Constraint
-from ._constraint import check_grammar as check_grammar
 from ._constraint import grammar_tokenizer as grammar_tokenizer
-from ._constraint import json_schema as json_schema
-from ._constraint import parse_reply as parse_reply
-from ._constraint import schema_grammar as schema_grammar
 from ._engine import BlockPoolBatchEngine as BlockPoolBatchEngine
 from ._image import BlockEntry as BlockEntry
 from ._image import CacheImage as CacheImage
@@ -36,6 +32,10 @@ from ._records import StepInfo as StepInfo
 from ._records import TokenEvent as TokenEvent
 from ._records import Usage as Usage
 from ._records import check_stops as check_stops
+from ._schema import check_grammar as check_grammar
+from ._schema import json_schema as json_schema
+from ._schema import parse_reply as parse_reply
+from ._schema import schema_grammar as schema_grammar
 from ._spec import BLOCK_SIZE as BLOCK_SIZE
 from ._spec import SLIDING_MARGIN as SLIDING_MARGIN
 from ._spec import LayerKind as LayerKind
