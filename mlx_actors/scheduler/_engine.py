@@ -52,7 +52,7 @@ from ._records import (
     Usage,
     check_stops,
 )
-from ._solo import HotCaches, Solo
+from ._solo import KeptCaches, Solo
 from ._spec import BLOCK_SIZE, ModelCacheSpec
 from ._text import TextStream
 from ._tokens import common_prefix
@@ -244,7 +244,7 @@ class BlockPoolBatchEngine:
         self._prefilled: list[str] = []
         #: Caches of sequences that finished alone, for their agents' next turns: at
         #: most an eighth of the pool's bytes, outside it.
-        self._hot = HotCaches(pool.budget_bytes // 8)
+        self._kept_caches = KeptCaches(pool.budget_bytes // 8)
         self._refused: list[tuple[int, MlxActorsError]] = []
         self._steps = self._prefill_tokens = self._generated_tokens = 0
         self._cached_tokens = self._completed = self._max_decode_batch = 0
@@ -839,7 +839,7 @@ class BlockPoolBatchEngine:
         if cache is None:
             start = seq.source.length
             if alone and start:
-                cache = self._hot.take(seq.agent_id, seq.tokens, start)
+                cache = self._kept_caches.take(seq.agent_id, seq.tokens, start)
                 self._hot_starts += cache is not None
         if cache is None and seq.seed is not None and seq.seed[0].offset == start:
             cache = snapshot(seq.seed)
@@ -936,7 +936,7 @@ class BlockPoolBatchEngine:
             del self._running[seq.gen_uid]
         tokens = (*seq.tokens, *seq.generated)
         if seq.state is _State.SOLO:  # the cache is the sequence's own: keep it for its agent
-            self._hot.keep(seq.agent_id, tokens, cache)
+            self._kept_caches.keep(seq.agent_id, tokens, cache)
         try:
             blocks = from_cache(
                 self.pool,
@@ -1019,7 +1019,7 @@ class BlockPoolBatchEngine:
     def forget(self, agent_id: str) -> None:
         """Drop the cache kept for ``agent_id``'s next lone turn (the agent is gone, or
         starts over)."""
-        self._hot.drop(agent_id)
+        self._kept_caches.drop(agent_id)
 
     def release(self, blocks: AgentBlocks | None) -> None:
         """Give an ``AgentBlocks``'s references back to the pool."""
@@ -1052,7 +1052,7 @@ class BlockPoolBatchEngine:
         self._pending.clear()
         self._jobs.clear()
         self._solo, self._done = None, []
-        self._hot.drop()
+        self._kept_caches.drop()
         self._generator.close()
         self._generator = BatchGenerator(self.model, **self._generator_options)
         return uids

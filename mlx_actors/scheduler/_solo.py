@@ -146,12 +146,12 @@ class Solo:
         return self.cache
 
 
-class HotCaches:
+class KeptCaches:
     """The caches of the last few sequences that finished alone, kept as they are (as
     mlx-lm's chat keeps its one prompt cache), so that the same agent's next turn, if it
     runs alone too, starts from them instead of gathering its blocks again.
 
-    The blocks stay the record of every history: a hot cache is only a copy of what its
+    The blocks stay the record of every history: a kept cache is only a copy of what its
     agent's blocks hold, used when it still matches. Like the cache of a sequence in
     flight, it lives outside the pool; the caches kept are bounded by ``limit_bytes``,
     least recently finished dropped first.
