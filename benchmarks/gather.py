@@ -4,8 +4,9 @@ The spec is Gemma 3 12B's cache: 48 layers (8 global, 40 sliding-window layers o
 tokens), 8 KV heads of size 256, bfloat16. For each history length the script builds
 one agent's blocks, rebuilds its cache from them (what the engine does once per turn,
 at insert) and forces the copy with ``mx.eval``; the same with MLX's ``concatenate``
-alone (what the gather is on devices without its kernel, :mod:`mlx_actors.scheduler._gather`);
-then it copies an array of the same bytes on the same device. It prints JSON: p50/p95/p99
+alone (what the gather is on devices without its kernel,
+:mod:`mlx_actors.scheduler.caches._gather`); then it copies an array of the same bytes on
+the same device. It prints JSON: p50/p95/p99
 in milliseconds and GB/s for each, the fraction of copy bandwidth the gather reaches,
 and whether the gather's arrays equal the concatenated ones bit for bit.
 
@@ -34,10 +35,10 @@ import time
 import mlx.core as mx
 
 from mlx_actors.scheduler import AgentBlocks, BlockPool, LayerKind, LayerSpec, ModelCacheSpec
-from mlx_actors.scheduler._blocks import pieces, to_cache
-from mlx_actors.scheduler._gather import Part, concatenate, kernel_available
-from mlx_actors.scheduler._pool import KVBlock
-from mlx_actors.scheduler._spec import BLOCK_SIZE, blocks_for_layer
+from mlx_actors.scheduler.caches._gather import Part, concatenate, kernel_available
+from mlx_actors.scheduler.kv._blocks import pieces, to_cache
+from mlx_actors.scheduler.kv._pool import KVBlock
+from mlx_actors.scheduler.kv._spec import BLOCK_SIZE, blocks_for_layer
 
 GEMMA3_12B = ModelCacheSpec(
     layers=tuple(
@@ -256,7 +257,7 @@ def slab_probe(
 ) -> dict[str, object]:
     """Each layer's blocks copied into slabs of ``size`` tokens (not timed); the cache
     gathered from the slabs, consecutive pieces of one slab as one part."""
-    from mlx_actors.scheduler._gather import gather as gather_parts
+    from mlx_actors.scheduler.caches._gather import gather as gather_parts
 
     spec = GEMMA3_12B
     slab: dict[int, tuple[mx.array, mx.array, int]] = {}
@@ -295,7 +296,7 @@ def check(cases: int = 200) -> int:
     takes, several dtypes and head sizes) and compare with ``concatenate``, bit for bit."""
     import random
 
-    from mlx_actors.scheduler._gather import MAX_PARTS, gather
+    from mlx_actors.scheduler.caches._gather import MAX_PARTS, gather
 
     rng = random.Random(0)
     for case in range(cases):

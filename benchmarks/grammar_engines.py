@@ -95,7 +95,7 @@ class Llguidance:
     def compile(self, schema: dict[str, Any]) -> Matcher:
         from llguidance.numpy import fill_next_token_bitmask
 
-        # As mlx_actors/scheduler/_constraint.py: no free whitespace.
+        # As mlx_actors/scheduler/engine/_schema.py: no free whitespace.
         compact: Any = {"whitespace_flexible": False}
         grammar = self.ll.LLMatcher.grammar_from_json_schema(schema, defaults=compact)
         m = self.ll.LLMatcher(self.tok, grammar, log_level=0)

@@ -25,7 +25,7 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_actors.scheduler import ModelCacheSpec
-from mlx_actors.scheduler._blocks import make_cache
+from mlx_actors.scheduler.kv._blocks import make_cache
 
 
 def single(

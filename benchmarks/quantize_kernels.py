@@ -1,5 +1,5 @@
 """The conversions of ``kv_bits``' dequantized path: the CUDA kernels of
-:mod:`mlx_actors.scheduler._quantize_kernels` against MLX's own ops, bit for bit and in time.
+:mod:`mlx_actors.scheduler.caches._quantize_kernels` against MLX's own ops, bit for bit and in time.
 
 First, where the kernels can run (a CUDA GPU), it checks them bit for bit against MLX's
 ops (``mx.quantize``, the packing copy, ``mx.dequantize``; unpacking and
@@ -26,15 +26,15 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from mlx_actors.scheduler import _quantize_kernels
-from mlx_actors.scheduler._quantize_kernels import (
+from mlx_actors.scheduler.caches import _quantize_kernels
+from mlx_actors.scheduler.caches._quantize_kernels import (
     _launch,
     dequantize_packed,
     dequantize_pair,
     kernel_available,
     quantize_step,
 )
-from mlx_actors.scheduler._quantized import KVQuantization, pack
+from mlx_actors.scheduler.caches._quantized import KVQuantization, pack
 
 
 def with_ops(keys: mx.array, values: mx.array, q: KVQuantization) -> list[mx.array]:

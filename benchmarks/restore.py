@@ -23,7 +23,7 @@ reader asks again. ``evicted-memory`` keeps evicted caches in host memory
 Their reader has one turn more in its history than the other modes' reader.
 
 On MLX's CUDA backend, blocks go to and from host memory through the CUDA driver's copy
-engine (``mlx_actors/scheduler/_transfer.py``); ``--plain-copies`` adds the modes
+engine (``mlx_actors/scheduler/residency/_transfer.py``); ``--plain-copies`` adds the modes
 ``restore-plain`` and ``evicted-memory-plain``, the same with ``MLX_ACTORS_CUDA_COPIES=0``
 (numpy into MLX arrays, as before), run in the same alternation.
 """

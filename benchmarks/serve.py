@@ -92,7 +92,7 @@ def warm_gather_kernels(model_dir: Path, dtype: Any) -> float:
     so that the server is timed as on a machine that has run it before. Seconds taken."""
     import mlx.core as mx
 
-    from mlx_actors.scheduler import _gather
+    from mlx_actors.scheduler.caches import _gather
 
     if not _gather.kernel_available():
         return 0.0

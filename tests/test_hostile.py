@@ -31,7 +31,7 @@ from mlx_actors.errors import (
 )
 from mlx_actors.runtime import _disk, _state, _store
 from mlx_actors.runtime._models import load_model
-from mlx_actors.scheduler._text import TextStream
+from mlx_actors.scheduler.engine._text import TextStream
 from mlx_actors.testing import tiny_config, write_random_model
 
 from .conftest import Loaded, ReferenceChat, render

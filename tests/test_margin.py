@@ -1,4 +1,4 @@
-"""The sliding-window margin (``scheduler/_margin.py``) against a plain prefill: every
+"""The sliding-window margin (``scheduler/caches/_margin.py``) against a plain prefill: every
 token the rotating caches keep aside, at the position it claims, holds the keys and values
 mlx-lm computes there, in the batch states ``BatchGenerator`` puts them through."""
 
@@ -14,9 +14,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_actors.scheduler import BlockPool
-from mlx_actors.scheduler._blocks import evaluate, from_cache, make_cache, to_cache
-from mlx_actors.scheduler._margin import MarginBatchRotatingKVCache
-from mlx_actors.scheduler._prefix import PrefixIndex
+from mlx_actors.scheduler.caches._margin import MarginBatchRotatingKVCache
+from mlx_actors.scheduler.kv._blocks import evaluate, from_cache, make_cache, to_cache
+from mlx_actors.scheduler.kv._prefix import PrefixIndex
 from mlx_actors.testing import family_configs, write_random_model
 
 from .conftest import Loaded, load

@@ -25,11 +25,11 @@ from mlx_actors.scheduler import (
     BlockQuantizedKVCache,
     KVQuantization,
     ModelCacheSpec,
-    _quantized,
 )
-from mlx_actors.scheduler import _dequantized as dequantized
-from mlx_actors.scheduler import _quantize_kernels as kernels
-from mlx_actors.scheduler._dequantized import (
+from mlx_actors.scheduler.caches import _dequantized as dequantized
+from mlx_actors.scheduler.caches import _quantize_kernels as kernels
+from mlx_actors.scheduler.caches import _quantized
+from mlx_actors.scheduler.caches._dequantized import (
     DequantizedBatchKVCache,
     DequantizedKVCache,
     QuantizedMarginBatchRotatingKVCache,

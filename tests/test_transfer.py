@@ -1,4 +1,4 @@
-"""Cache blocks copied to host memory and back (``scheduler/_transfer.py``): bit for bit.
+"""Cache blocks copied to host memory and back (``scheduler/residency/_transfer.py``): bit for bit.
 
 On this machine the copies are MLX's own (``mx.array``, ``np.array``); on MLX's CUDA
 backend the same test runs the CUDA driver's copies, which must give the same bits.
@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_actors.scheduler._transfer import to_device, to_host
+from mlx_actors.scheduler.residency._transfer import to_device, to_host
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])

@@ -34,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from ..scheduler._tokens import common_prefix
+from ..scheduler.kv._tokens import common_prefix
 
 
 @attrs.frozen

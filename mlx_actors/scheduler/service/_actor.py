@@ -17,8 +17,14 @@ import structlog
 from anyio.abc import TaskGroup
 from anyio.lowlevel import EventLoopToken
 
-from ..errors import CorruptStateError, MlxActorsError, RuntimeClosedError
-from ._engine import BlockPoolBatchEngine
+from ...errors import CorruptStateError, MlxActorsError, RuntimeClosedError
+from ..caches._quantized import KVQuantization
+from ..engine._engine import BlockPoolBatchEngine
+from ..engine._records import CompletedGeneration
+from ..kv._pool import AgentBlocks, BlockPool
+from ..kv._spec import LayerKind, ModelCacheSpec
+from ..residency._host import HostCaches
+from ..residency._image import CacheImage
 from ._events import (
     Cancelled,
     Event,
@@ -33,10 +39,7 @@ from ._events import (
     SaveReady,
     Statistics,
 )
-from ._host import HostCaches
-from ._image import CacheImage
 from ._loop import EngineLoop, Outbox
-from ._pool import AgentBlocks, BlockPool
 from ._protocol import (
     SHUTDOWN,
     Adopt,
@@ -54,9 +57,6 @@ from ._protocol import (
     Turn,
     Undo,
 )
-from ._quantized import KVQuantization
-from ._records import CompletedGeneration
-from ._spec import LayerKind, ModelCacheSpec
 
 Loader = Callable[[], tuple[Any, Any]]
 

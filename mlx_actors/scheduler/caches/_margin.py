@@ -12,7 +12,7 @@ tokens decide whether the turn costs the tokens that differ or the whole last tu
 The caches here are mlx-lm's, with one addition: just before a decoding step's update
 overwrites tokens that were not kept yet, they copy the next :data:`CHUNK` oldest ones
 aside (a prefill's trim is not copied: the margin then stops at the gap it leaves),
-and keep the last few such copies (at least :data:`~._spec.SLIDING_MARGIN` tokens
+and keep the last few such copies (at least :data:`SLIDING_MARGIN` tokens
 before the window). Nothing else changes: the ring, its masks and what the model
 computes are mlx-lm's own, so outputs stay token-identical. The batch form keeps the
 copies per row through ``merge``, ``extend``, ``filter`` and ``extract``, the way
@@ -38,7 +38,10 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
-from ._spec import SLIDING_MARGIN
+#: Tokens a sliding-window layer keeps before its window at the end of a turn (the
+#: margin), so that the turn's last tokens can be rewound.
+SLIDING_MARGIN = 64
+
 
 #: Tokens copied aside at once, before the ring overwrites them.
 CHUNK = 32

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 
-from ..errors import InvalidRequestError, ReplyFormatError
+from ...errors import InvalidRequestError, ReplyFormatError
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

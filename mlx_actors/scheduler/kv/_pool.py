@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 import mlx.core as mx
 
-from ..errors import InvalidRequestError, PoolExhaustedError
+from ...errors import InvalidRequestError, PoolExhaustedError
 from ._spec import ModelCacheSpec
 from ._tokens import common_prefix
 

@@ -12,14 +12,14 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from ._blocks import make_cache, to_cache
+from ..caches._dequantized import DequantizedKVCache
+from ..caches._margin import MarginRotatingKVCache
+from ..caches._quantized import BlockQuantizedKVCache, sliced
+from ..kv._blocks import make_cache, to_cache
+from ..kv._pool import KVBlock, Reservation
+from ..kv._prefix import Source
+from ..kv._spec import BLOCK_SIZE, ModelCacheSpec
 from ._buffers import release_prefill_buffers
-from ._dequantized import DequantizedKVCache
-from ._margin import MarginRotatingKVCache
-from ._pool import KVBlock, Reservation
-from ._prefix import Source
-from ._quantized import BlockQuantizedKVCache, sliced
-from ._spec import BLOCK_SIZE, ModelCacheSpec
 
 
 @attrs.define(eq=False)

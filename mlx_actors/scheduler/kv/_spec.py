@@ -11,14 +11,12 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from ..errors import UnsupportedModelError
-from ._quantized import KVQuantization
+from ...errors import UnsupportedModelError
+from ..caches._margin import SLIDING_MARGIN as SLIDING_MARGIN
+from ..caches._quantized import KVQuantization
 
 #: Tokens per block: the growth step of mlx-lm's ``KVCache``.
 BLOCK_SIZE = 256
-#: Tokens a sliding-window layer keeps before its window at the end of a turn (the
-#: margin: see :mod:`._margin`), so that the turn's last tokens can be rewound.
-SLIDING_MARGIN = 64
 
 
 class LayerKind(enum.Enum):

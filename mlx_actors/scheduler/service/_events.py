@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import attrs
 
-from ._image import CacheImage
+from ..engine._records import CompletedGeneration
+from ..residency._image import CacheImage
 from ._protocol import Fork, Save, SchedulerStatistics, Turn
-from ._records import CompletedGeneration
 
 
 @attrs.frozen

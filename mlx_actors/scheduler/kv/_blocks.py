@@ -25,13 +25,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from ..errors import CacheReconstructionError
-from ._dequantized import DequantizedKVCache, QuantizedMarginRotatingKVCache
-from ._gather import gather
-from ._margin import MarginRotatingKVCache
+from ...errors import CacheReconstructionError
+from ..caches._dequantized import DequantizedKVCache, QuantizedMarginRotatingKVCache
+from ..caches._gather import gather
+from ..caches._margin import MarginRotatingKVCache
+from ..caches._quantized import BlockQuantizedKVCache, pack, unpack
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefix import Node, Piece, PrefixIndex, cover, runs_of
-from ._quantized import BlockQuantizedKVCache, pack, unpack
 from ._spec import (
     BLOCK_SIZE,
     SLIDING_MARGIN,

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, dynamic_roll
 
-from ..errors import InvalidRequestError
+from ...errors import InvalidRequestError
 
 #: The bits mx.quantize takes for the KV cache, and its group sizes.
 BITS = (4, 8)

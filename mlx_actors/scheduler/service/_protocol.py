@@ -11,9 +11,9 @@ from typing import Protocol
 import anyio
 import attrs
 
-from ._image import CacheImage
-from ._pool import AgentBlocks, PoolStatistics
-from ._records import CompletedGeneration, EngineStatistics, Sampling
+from ..engine._records import CompletedGeneration, EngineStatistics, Sampling
+from ..kv._pool import AgentBlocks, PoolStatistics
+from ..residency._image import CacheImage
 
 
 @attrs.define(eq=False)

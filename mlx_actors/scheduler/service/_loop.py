@@ -11,18 +11,19 @@ from typing import Any
 
 import attrs
 
-from ..errors import (
+from ...errors import (
     CacheReconstructionError,
     EngineError,
     MlxActorsError,
     PoolExhaustedError,
     RuntimeClosedError,
 )
+from ..engine._constraint import Constraint, grammar_tokenizer
+from ..engine._engine import BlockPoolBatchEngine
+from ..engine._records import TokenEvent
+from ..kv._pool import AgentBlocks, KVBlock
+from ..residency._image import CacheImage, make_blocks, stored_ids, take_image
 from . import _events as events
-from ._constraint import Constraint, grammar_tokenizer
-from ._engine import BlockPoolBatchEngine
-from ._image import CacheImage, make_blocks, stored_ids, take_image
-from ._pool import AgentBlocks, KVBlock
 from ._protocol import (
     SHUTDOWN,
     Adopt,
@@ -39,7 +40,6 @@ from ._protocol import (
     Turn,
     Undo,
 )
-from ._records import TokenEvent
 
 #: One step's events for the event loop, in order.
 Outbox = list[events.Event]

@@ -12,8 +12,8 @@ import attrs
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from ..errors import InvalidRequestError
-from ._pool import AgentBlocks
+from ...errors import InvalidRequestError
+from ..kv._pool import AgentBlocks
 
 FinishReason = Literal["stop", "length"]
 #: Seeds are ints in ``[0, SEEDS)`` (MLX's random keys take 64 bits).

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from ..errors import EngineError, InvalidRequestError
+from ...errors import EngineError, InvalidRequestError
 
 
 def grammar_tokenizer(tokenizer: Any, vocab_size: int) -> llguidance.LLTokenizer:

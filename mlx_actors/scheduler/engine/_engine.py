@@ -15,14 +15,14 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.generate import BatchGenerator
 
-from ..errors import (
+from ...errors import (
     ContextLengthError,
     EngineError,
     InvalidRequestError,
     MlxActorsError,
     PoolExhaustedError,
 )
-from ._blocks import (
+from ..kv._blocks import (
     blocks_needed,
     check_blocks,
     checkpoint_blocks,
@@ -34,11 +34,13 @@ from ._blocks import (
     plan_cut,
     to_cache,
 )
+from ..kv._pool import AgentBlocks, BlockPool, KVBlock, Reservation
+from ..kv._prefix import Piece, PrefixIndex, Source
+from ..kv._spec import BLOCK_SIZE, ModelCacheSpec
+from ..kv._tokens import common_prefix
 from ._pacing import Pacing
 from ._pacing import chunk as fit
-from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefill import PrefillJob, snapshot
-from ._prefix import Piece, PrefixIndex, Source
 from ._records import (
     Admission,
     CompletedGeneration,
@@ -53,9 +55,7 @@ from ._records import (
     check_stops,
 )
 from ._solo import KeptCaches, Solo
-from ._spec import BLOCK_SIZE, ModelCacheSpec
 from ._text import TextStream
-from ._tokens import common_prefix
 
 _AUTO: Any = object()
 

@@ -9,11 +9,11 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from ..errors import CacheReconstructionError
-from ._blocks import check_blocks
-from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
-from ._prefix import Node, PrefixIndex
-from ._spec import BLOCK_SIZE
+from ...errors import CacheReconstructionError
+from ..kv._blocks import check_blocks
+from ..kv._pool import AgentBlocks, BlockPool, KVBlock, Reservation
+from ..kv._prefix import Node, PrefixIndex
+from ..kv._spec import BLOCK_SIZE
 from ._transfer import to_device, to_host
 
 #: Same-width unsigned types: a bit-exact host copy of any key/value dtype (bf16 too).
