@@ -18,7 +18,7 @@ import pytest
 from anyio import wait_all_tasks_blocked
 
 from mlx_actors import Runtime
-from mlx_actors.actors._agent import Envelope
+from mlx_actors.actors._envelope import Envelope
 from mlx_actors.errors import (
     CorruptStateError,
     InvalidRequestError,

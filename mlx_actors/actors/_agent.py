@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import itertools
 import json
 import math
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
@@ -17,8 +15,8 @@ import anyio
 import attrs
 import jinja2
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from typing_extensions import TypedDict, Unpack
+from anyio.streams.memory import MemoryObjectSendStream
+from typing_extensions import Unpack
 
 from ..errors import (
     AgentClosedError,
@@ -26,128 +24,34 @@ from ..errors import (
     MlxActorsError,
     ReplyFormatError,
     RuntimeClosedError,
-    TurnTimeoutError,
 )
 from ..scheduler import (
     SEEDS,
     AgentBlocks,
-    Sampling,
     Scheduler,
     Turn,
     Usage,
-    check_stops,
     json_schema,
     parse_reply,
     schema_grammar,
 )
 from ._conversation import check_conversation, continue_from
+from ._envelope import Envelope, handling, running
 from ._render import Renderer, Rendering, renderer_for
 from ._reply import Message, Reply, TurnStream
+from ._settings import (
+    TurnOptions,
+    TurnSettings,
+    check_name,
+    check_text,
+    check_timeout,
+)
 from ._tool_format import ToolFormat, tool_format
 from ._tools import Tool, ToolCall, as_tools, check_tool_choice, named_tools, run_call
 
 #: Conversations of fewer characters are rendered on the event loop (under two milliseconds
 #: on a small CPU); longer ones on a worker thread, so that the loop never waits on them.
 RENDER_ON_LOOP = 4_000
-
-NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
-
-
-def check_name(name: object) -> str:
-    """Agent names name files, so they are plain identifiers: a letter, then up to 63
-    letters, digits, ``_`` or ``-``."""
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise InvalidRequestError(
-            f"agent names must be a letter followed by up to 63 letters, digits, '_' or "
-            f"'-' (they name files); got {name!r}"
-        )
-    return name
-
-
-class TurnSettings(TypedDict, total=False):
-    """Generation settings a turn takes (``spawn`` sets an agent's defaults; ``ask``,
-    ``stream`` and ``fork`` override them; ``None`` keeps the default). The defaults
-    give greedy decoding: mlx-lm's most likely token at every step."""
-
-    #: Most tokens to generate (default 256).
-    max_tokens: int
-    #: 0 (the default) is greedy; higher flattens the choice.
-    temperature: float
-    #: With a temperature: nucleus sampling (1: off), the ``top_k`` most likely tokens
-    #: only (0: off), tokens at least ``min_p`` times as likely as the best only (0: off).
-    top_p: float
-    top_k: int
-    min_p: float
-    #: Penalties on the ids of the last ``repetition_context_size`` tokens of the
-    #: conversation (default 20): multiplicative (1: off), and subtracted once per
-    #: id or once per use (0: off). These change greedy replies too.
-    repetition_penalty: float
-    repetition_context_size: int
-    presence_penalty: float
-    frequency_penalty: float
-    #: Added to the logits of these token ids.
-    logit_bias: Mapping[int, float]
-    #: Record each generated token's log-probability (``Reply.logprobs``), and the
-    #: ``top_logprobs`` most likely tokens' at each step (``Reply.top_logprobs``).
-    logprobs: bool
-    top_logprobs: int
-    #: Seed of the turn's random stream (each of the agent's turns then gets its own).
-    seed: int | None
-    #: Strings that end the reply (not part of it).
-    stop: str | Sequence[str]
-    #: With tools: ``"auto"`` (the model decides), ``"required"`` (the turn's first
-    #: reply must be a call, decoding is constrained to one), ``"none"`` (calls the
-    #: model writes are not run), or a tool's name (the first reply calls it).
-    tool_choice: str
-    #: Most rounds of tool calls one turn runs (default 8); a reply that still calls
-    #: tools then ends the turn with ``finish_reason="tool_calls"``.
-    max_tool_rounds: int
-
-
-@attrs.frozen(kw_only=True)
-class TurnOptions(Sampling):
-    """Generation settings of one turn (an agent's defaults, overridden per ask): the
-    fields of :class:`TurnSettings`, the engine's :class:`Sampling` and these."""
-
-    max_tokens: int = 256
-    stop: tuple[str, ...] = ()
-    tool_choice: str = "auto"
-    max_tool_rounds: int = 8
-
-    def __attrs_post_init__(self) -> None:
-        super().__attrs_post_init__()
-        n = self.max_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise InvalidRequestError(f"max_tokens must be an int > 0, got {n!r}")
-        if not isinstance(self.tool_choice, str) or not self.tool_choice:
-            raise InvalidRequestError(
-                "tool_choice must be 'auto', 'required', 'none' or a tool's name, got "
-                f"{self.tool_choice!r}"
-            )
-        r = self.max_tool_rounds
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= 64:
-            raise InvalidRequestError(f"max_tool_rounds must be an int in [0, 64], got {r!r}")
-        if not isinstance(self.stop, tuple) or check_stops(self.stop) != self.stop:
-            raise InvalidRequestError(f"stop must be a tuple of strings, got {self.stop!r}")
-
-    def sampling(self, seed: int | None) -> Sampling:
-        """The engine's sampling settings for a turn with ``seed``."""
-        fields = {a.name: getattr(self, a.name) for a in attrs.fields(Sampling)}
-        return Sampling(**{**fields, "seed": seed})
-
-    def override(self, **changes: Any) -> TurnOptions:
-        unknown = sorted(set(changes) - _SETTINGS)
-        if unknown:
-            raise InvalidRequestError(
-                f"unknown settings {unknown}; a turn takes {sorted(_SETTINGS)}"
-            )
-        changes = {k: v for k, v in changes.items() if v is not None}
-        if "stop" in changes:
-            changes["stop"] = check_stops(changes["stop"])
-        return attrs.evolve(self, **changes) if changes else self
-
-
-_SETTINGS = frozenset(TurnSettings.__annotations__)
 
 
 @attrs.frozen(kw_only=True)
@@ -219,166 +123,6 @@ class _Before:
     tools: tuple[Tool, ...]
     #: The keeper's count of the agent's saves (see :meth:`Keeper.writes`).
     writes: int
-
-
-#: The requests this task is handling, outermost first: the one its agent is running,
-#: and those whose tools sent it there. A tool (on the event loop or a worker thread)
-#: sees them too, so a request to one of their agents while it runs, which would wait
-#: for itself, is refused. (A task a tool starts inherits them: a request it sends
-#: after they finished is not refused.)
-_handling: contextvars.ContextVar[tuple[Envelope, ...]] = contextvars.ContextVar(
-    "mlx_actors_handling", default=()
-)
-
-
-def _running() -> tuple[Envelope, ...]:
-    """The requests still running that the calling code runs inside (by a tool)."""
-    return tuple(e for e in _handling.get() if not e.done.is_set())
-
-
-def running_here() -> frozenset[Agent]:
-    """The agents whose turns the calling code runs inside (a tool's, or what a tool
-    called): stopping one of them must not wait for it, since that would wait for
-    itself."""
-    return frozenset(e.agent for e in _running())
-
-
-@attrs.define(eq=False)
-class Envelope:
-    """A request in an agent's mailbox, and the caller's handle on its outcome."""
-
-    agent: Agent
-    kind: Literal["ask", "respond", "reset", "fork", "tell"]
-    text: str = ""
-    #: ``respond``'s conversation, system prompt and tools (in place of the agent's).
-    conversation: tuple[Message, ...] = ()
-    system: str | None = None
-    tools: tuple[Tool, ...] = ()
-    options: TurnOptions | None = None
-    #: ``tell``'s message.
-    message: Message | None = None
-    #: What the reply must be (``ask(schema=...)``), and its grammar.
-    schema: Any = None
-    grammar: str | None = None
-    mailbox_size: int | None = None
-    forked: Agent | None = None
-    timeout: float | None = None
-    pieces: MemoryObjectReceiveStream[str] | None = None
-    push: MemoryObjectSendStream[str] | None = None
-    done: anyio.Event = attrs.field(factory=anyio.Event)
-    reply: Reply | None = None
-    error: BaseException | None = None
-    completed: bool = False
-    sent: bool = False
-    in_mailbox: bool = False
-    cancelled: bool = False
-    #: Counted among the turns the scheduler expects (until it sends it, or ends).
-    announced: bool = False
-    scope: anyio.CancelScope | None = None
-    deadline: float = math.inf
-    #: The requests, still running, that sent this one (see ``_handling``).
-    senders: tuple[Envelope, ...] = ()
-    #: Done, and on its way to the caller (an ask, a tell, a fork): the agent can still
-    #: undo it until the caller takes the outcome (``receipt`` True: ``keep`` runs at
-    #: once, before anything the caller does next) or turns out to have gone (False:
-    #: it is undone), then sets ``settled``.
-    delivering: bool = False
-    keep: Callable[[], None] | None = None
-    receipt: bool | None = None
-    received: anyio.Event = attrs.field(factory=anyio.Event)
-    settled: anyio.Event = attrs.field(factory=anyio.Event)
-
-    def deadline_in(self) -> float | None:
-        """Seconds left before the turn's timeout (``None``: no timeout)."""
-        if self.deadline == math.inf:
-            return None
-        return max(0.0, self.deadline - anyio.current_time())
-
-    def timeout_error(self) -> TurnTimeoutError:
-        return TurnTimeoutError(
-            f"agent {self.agent.name!r} did not answer within {self.timeout} s; the turn "
-            "was cancelled and the agent left as it was before it"
-        )
-
-    async def send(self) -> None:
-        """Put the envelope in the mailbox (waits while the mailbox is full)."""
-        self.senders = self.agent._check_outside()
-        self.sent = True
-        if self.kind in ("ask", "respond"):
-            self.agent._scheduler.announce(1)
-            self.announced = True
-        if self.timeout is not None:
-            self.deadline = anyio.current_time() + self.timeout
-        try:
-            with anyio.fail_after(self.deadline_in()):
-                await self.agent._mailbox.send(self)
-            self.in_mailbox = True
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            raise self.agent._closed_error() from None
-        except BaseException as exc:
-            await self.abandon()
-            if isinstance(exc, TimeoutError):
-                raise self.timeout_error() from None
-            raise
-
-    async def outcome(self) -> Reply | None:
-        """Wait for the request and return its reply (``None`` for a reset), or raise
-        its error."""
-        try:
-            with anyio.fail_after(self.deadline_in()):
-                await self.done.wait()
-        except BaseException as exc:
-            await self.abandon()
-            if isinstance(exc, TimeoutError):
-                if self.reply is not None:  # kept after all (it could not be undone)
-                    return self.reply
-                raise self.timeout_error() from None
-            raise
-        self.take(True)  # no await since the wait: the caller has it
-        if self.error is not None:
-            raise self.error
-        return self.reply
-
-    def take(self, taken: bool) -> None:
-        """Say whether the caller took the outcome on its way (see ``delivering``)."""
-        if self.delivering and self.receipt is None:
-            self.receipt = taken
-            if taken and self.keep is not None:
-                self.keep()
-            self.received.set()
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        if self.scope is not None:
-            self.scope.cancel()  # running: the agent rolls back, then finishes it
-        else:
-            if self.in_mailbox:  # still queued: the agent will skip it
-                self.agent._abandoned += 1
-            self.finish()
-
-    async def abandon(self) -> None:
-        """Cancel the turn and wait until the agent is back as it was before it (a reply
-        made but not yet taken is undone too, where it can be)."""
-        if not self.done.is_set():
-            self.cancel()
-            with anyio.CancelScope(shield=True):
-                await self.done.wait()
-        if self.delivering:
-            self.take(False)
-            with anyio.CancelScope(shield=True):
-                await self.settled.wait()
-
-    def arrived(self) -> None:
-        """The turn reached the scheduler (or never will): no longer expected."""
-        if self.announced:
-            self.announced = False
-            self.agent._scheduler.announce(-1)
-
-    def finish(self) -> None:
-        self.arrived()
-        if self.push is not None:
-            self.push.close()
-        self.done.set()
 
 
 class Agent:
@@ -705,7 +449,7 @@ class Agent:
             kind=kind,
             text=text,
             options=options,
-            timeout=_check_timeout(timeout),
+            timeout=check_timeout(timeout),
             schema=schema,
             grammar=schema_grammar(schema) if schema is not None else None,
         )
@@ -734,7 +478,7 @@ class Agent:
             system=system or None,
             tools=made,
             options=options,
-            timeout=_check_timeout(timeout),
+            timeout=check_timeout(timeout),
             schema=schema,
             grammar=schema_grammar(schema) if schema is not None else None,
         )
@@ -762,7 +506,7 @@ class Agent:
         """The requests still running that this call comes from (by a tool); refused
         if one of them is this agent's: it takes one request at a time, so it would
         wait for itself."""
-        senders = _running()
+        senders = running()
         agents = [e.agent for e in senders]
         if self in agents:
             via = " -> ".join(repr(a.name) for a in (*agents[agents.index(self) :], self))
@@ -820,7 +564,7 @@ class Agent:
             self._on_stopped(self)
 
     async def _handle(self, envelope: Envelope) -> None:
-        handling = _handling.set((*envelope.senders, envelope))
+        token = handling.set((*envelope.senders, envelope))
         try:
             with anyio.CancelScope() as envelope.scope:
                 try:
@@ -838,7 +582,7 @@ class Agent:
         finally:
             if not envelope.completed and envelope.error is None:
                 envelope.error = self._closing or MlxActorsError("the turn was cancelled")
-            _handling.reset(handling)
+            handling.reset(token)
             envelope.finish()
         if envelope.delivering:
             await self._deliver(envelope)
@@ -1236,39 +980,6 @@ def _add_usage(total: Usage | None, more: Usage) -> Usage:
 def _round_seed(seed: int | None, rounds: int) -> int | None:
     """A later round's seed: its own stream, reproducible from the turn's."""
     return None if seed is None else (seed + 7919 * rounds) % SEEDS
-
-
-def _check_timeout(timeout: float | None) -> float | None:
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not 0 < timeout < math.inf
-    ):
-        raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    return timeout
-
-
-def check_text(what: str, text: object, limit: int | None = None, *, blank: bool = False) -> str:
-    """``text`` if it is a non-empty string a model can read (with ``blank``, empty or
-    only whitespace too: a reply a model wrote), and no longer than ``limit``
-    characters (checked before anything tokenises it)."""
-    if not isinstance(text, str) or not (blank or text.strip()):
-        shown = repr(text)
-        shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
-        raise InvalidRequestError(f"{what} must be a non-empty string, got {shown}")
-    if limit is not None and len(text) > limit:
-        raise InvalidRequestError(
-            f"{what} has {len(text):,} characters, more than any turn of this model and "
-            f"pool can hold (at most {limit:,}, even at the longest tokens)"
-        )
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidRequestError(
-            f"{what} is not valid Unicode (a lone surrogate at {exc.start}); a model reads "
-            "only text that encodes as UTF-8"
-        ) from None
-    return text
 
 
 def _pusher(push: MemoryObjectSendStream[str]) -> Callable[[str], None]:

@@ -14,7 +14,7 @@ from ..scheduler import Usage
 from ._tools import ToolCall
 
 if TYPE_CHECKING:
-    from ._agent import Envelope
+    from ._envelope import Envelope
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
