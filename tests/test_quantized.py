@@ -74,9 +74,9 @@ async def test_replies_match_mlx_lm_quantized_alone_batched_and_shared(
     async with Runtime(
         wide.path, pool_blocks=300, log_level="off", kv_bits=bits, kv_group_size=32
     ) as rt:
-        panel = [await rt.spawn(f"a{i}", system=brief, max_tokens=24) for i in range(5)]
+        panel = [await rt.spawn(f"a{i}", system=brief, max_tokens=24) for i in range(4)]
         lone = await rt.spawn("lone", max_tokens=24)
-        for turn in range(3):
+        for turn in range(2):
             alone = await lone.ask(f"Alone, turn {turn}.")
             assert list(alone.tokens) == quantized_reference(wide, lone, bits, 24)
             replies = await gather(
@@ -88,7 +88,7 @@ async def test_replies_match_mlx_lm_quantized_alone_batched_and_shared(
         reply = await long.ask("word " * 400)
         assert list(reply.tokens) == quantized_reference(wide, long, bits, 8)
         stats = await rt.stats()
-        assert stats.max_batch_size >= 5 and stats.shared_blocks > 0
+        assert stats.max_batch_size >= 4 and stats.shared_blocks > 0
 
 
 @pytest.mark.anyio
