@@ -19,7 +19,7 @@ from mlx_actors.errors import InvalidRequestError
 from mlx_actors.runtime import _disk
 from mlx_actors.scheduler import BlockPoolBatchEngine, Sampling
 
-from .conftest import Loaded, render, run_to_completion
+from ..conftest import Loaded, render, run_to_completion
 
 FIRST_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "stop")
 

@@ -24,7 +24,7 @@ from mlx_actors.actors import as_tools
 from mlx_actors.actors._tool_format import tool_format
 from mlx_actors.errors import InvalidRequestError, TurnTimeoutError
 
-from .conftest import Loaded, load, reference
+from ..conftest import Loaded, load, reference
 
 CALLS: list[tuple[int, int]] = []
 

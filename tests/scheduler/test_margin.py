@@ -19,7 +19,7 @@ from mlx_actors.scheduler.kv._blocks import evaluate, from_cache, make_cache, to
 from mlx_actors.scheduler.kv._prefix import PrefixIndex
 from mlx_actors.testing import family_configs, write_random_model
 
-from .conftest import Loaded, load
+from ..conftest import Loaded, load
 
 WINDOW = 24
 

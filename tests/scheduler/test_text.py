@@ -9,7 +9,7 @@ import pytest
 from mlx_actors import Runtime
 from mlx_actors.scheduler.engine._text import TextStream
 
-from .conftest import Loaded
+from ..conftest import Loaded
 
 TEXT = "Grüße, 世界! 🙂 naïve café — ok"
 

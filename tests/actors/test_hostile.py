@@ -34,8 +34,8 @@ from mlx_actors.runtime._models import load_model
 from mlx_actors.scheduler.engine._text import TextStream
 from mlx_actors.testing import tiny_config, write_random_model
 
-from .conftest import Loaded, ReferenceChat, render
-from .test_persistence import converse, question, snapshot
+from ..conftest import Loaded, ReferenceChat, render
+from ..runtime.test_persistence import converse, question, snapshot
 
 pytestmark = pytest.mark.anyio
 

@@ -10,7 +10,7 @@ from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine
 from mlx_actors.scheduler.engine import _buffers
 from mlx_actors.scheduler.engine._pacing import Pacing, chunk
 
-from .conftest import Loaded, reference
+from ..conftest import Loaded, reference
 from .test_engine import prompt
 
 N = 12

@@ -25,7 +25,7 @@ from mlx_actors.runtime import LoadedModel, default_model_dir, load_model, resol
 from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine, ModelCacheSpec
 from mlx_actors.testing import tiny_config, write_random_model
 
-from .conftest import reference, run_to_completion
+from ..conftest import reference, run_to_completion
 from .test_gguf import write_float_gguf
 
 smollm = pytest.mark.smollm

@@ -15,7 +15,7 @@ from mlx_actors.actors import as_tools
 from mlx_actors.actors._tool_format import tool_format
 from mlx_actors.errors import InvalidRequestError
 
-from .conftest import Loaded, ReferenceChat, add, reference, render
+from ..conftest import Loaded, ReferenceChat, add, reference, render
 from .test_agents import common_prefix
 
 pytestmark = pytest.mark.anyio

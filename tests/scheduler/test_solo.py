@@ -8,7 +8,7 @@ import pytest
 
 from mlx_actors.scheduler import BlockPoolBatchEngine
 
-from .conftest import Loaded, ReferenceChat, reference, run_to_completion
+from ..conftest import Loaded, ReferenceChat, reference, run_to_completion
 from .test_engine import prompt
 
 N = 30

@@ -18,7 +18,7 @@ from mlx_actors.errors import ModelIntegrityError, ModelNotFoundError, Unsupport
 from mlx_actors.runtime._gguf import convert_gguf
 from mlx_actors.testing import CHATML_TEMPLATE, tiny_config, write_random_model
 
-from .conftest import reference
+from ..conftest import reference
 
 # mlx-lm's llama names -> llama.cpp's, written out independently of the converter.
 TOP_LEVEL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}

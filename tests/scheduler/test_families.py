@@ -24,7 +24,7 @@ from mlx_actors.scheduler import (
 from mlx_actors.scheduler.kv._prefix import runs_of
 from mlx_actors.testing import family_configs, write_random_model
 
-from .conftest import Loaded, ReferenceChat, asyncio_only, load, render, run_to_completion
+from ..conftest import Loaded, ReferenceChat, asyncio_only, load, render, run_to_completion
 from .test_spec import MAMBA
 
 # What these tests check does not depend on the event loop.

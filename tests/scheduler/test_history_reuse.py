@@ -17,7 +17,7 @@ from mlx_actors import Runtime
 from mlx_actors.scheduler import SLIDING_MARGIN, BlockPool, BlockPoolBatchEngine, LayerKind
 from mlx_actors.testing import CHATML_TEMPLATE, family_configs, write_random_model
 
-from .conftest import Loaded, asyncio_only, load, reference, render, run_to_completion
+from ..conftest import Loaded, asyncio_only, load, reference, render, run_to_completion
 
 # What these tests check does not depend on the event loop.
 anyio_backend = asyncio_only()

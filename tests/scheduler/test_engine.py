@@ -21,7 +21,7 @@ from mlx_actors.scheduler import (
     Sampling,
 )
 
-from .conftest import Loaded, ReferenceChat, reference, run_to_completion
+from ..conftest import Loaded, ReferenceChat, reference, run_to_completion
 
 N = 24
 
@@ -148,7 +148,7 @@ def test_streamed_pieces_add_up_and_stop_strings_cut(
 
 
 def test_end_of_sequence_token_stops_and_is_not_text(tiny_dir, pool: BlockPool) -> None:
-    from .conftest import load
+    from ..conftest import load
 
     fresh = load(tiny_dir)  # its own tokenizer: the test changes the eos set
     ids = prompt(50, 9)
@@ -275,7 +275,7 @@ def test_blocks_of_another_model_or_freed_blocks_are_refused(
 ) -> None:
     from mlx_actors.testing import tiny_config, write_random_model
 
-    from .conftest import load
+    from ..conftest import load
 
     other = load(write_random_model(tmp_path / "other", tiny_config(num_hidden_layers=2)))
     other_engine = BlockPoolBatchEngine(

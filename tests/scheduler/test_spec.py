@@ -10,7 +10,7 @@ from mlx_actors.errors import UnsupportedModelError
 from mlx_actors.scheduler import LayerKind, ModelCacheSpec
 from mlx_actors.testing import write_random_model
 
-from .conftest import Loaded
+from ..conftest import Loaded
 
 
 def test_spec_of_the_tiny_llama(tiny: Loaded) -> None:

@@ -24,7 +24,7 @@ from mlx_actors.scheduler import (
     schema_grammar,
 )
 
-from .conftest import Loaded, reference, run_to_completion
+from ..conftest import Loaded, reference, run_to_completion
 
 
 class Verdict(pydantic.BaseModel):

@@ -18,7 +18,8 @@ from mlx_actors.scheduler import BLOCK_SIZE, AgentBlocks, BlockPool, BlockPoolBa
 from mlx_actors.scheduler.residency._image import make_blocks, take_image
 from mlx_actors.testing import tiny_config, write_random_model
 
-from .conftest import (
+from ..actors.test_agents import FaultyRuntime, long_question
+from ..conftest import (
     Loaded,
     ReferenceChat,
     asyncio_only,
@@ -27,7 +28,6 @@ from .conftest import (
     render,
     run_to_completion,
 )
-from .test_agents import FaultyRuntime, long_question
 from .test_engine import N, prompt
 from .test_families import FAMILIES
 

@@ -18,7 +18,7 @@ from mlx_actors import Runtime
 from mlx_actors.cluster import Cluster
 from mlx_actors.errors import InvalidRequestError, ReplicaLostError, RuntimeClosedError
 
-from .conftest import asyncio_only
+from ..conftest import asyncio_only
 
 # One local Ray instance at a time: these tests run in one worker process.
 pytestmark = [pytest.mark.anyio, pytest.mark.xdist_group("ray")]

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_actors.scheduler import BLOCK_SIZE, BlockPool
 from mlx_actors.scheduler.kv._blocks import blocks_needed, from_cache, to_cache
 
-from .conftest import Loaded
+from ..conftest import Loaded
 
 
 def filled_cache(tiny: Loaded, n: int) -> tuple[list, list[int]]:

@@ -24,8 +24,8 @@ from mlx_actors.errors import (
     UnknownAgentError,
 )
 
-from .conftest import Loaded, ReferenceChat, reference, render
-from .test_engine import Faulty
+from ..conftest import Loaded, ReferenceChat, reference, render
+from ..scheduler.test_engine import Faulty
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ from mlx_actors import Runtime
 from mlx_actors.errors import InvalidRequestError, ModelMismatchError, UnknownAgentError
 from mlx_actors.testing import tiny_config, write_random_model
 
-from .conftest import Loaded, reference, render
+from ..conftest import Loaded, reference, render
 
 pytestmark = pytest.mark.anyio
 

@@ -22,7 +22,7 @@ from mlx_actors.errors import (
 )
 from mlx_actors.testing import tiny_config, write_random_model
 
-from .conftest import Loaded, reference, render
+from ..conftest import Loaded, reference, render
 
 #: ChatML that refuses two messages of one role in a row, as Gemma's template does.
 ALTERNATING = (

@@ -37,7 +37,7 @@ from mlx_actors.scheduler.caches._dequantized import (
 )
 from mlx_actors.testing import family_configs, tiny_config, write_random_model
 
-from .conftest import INIT_SCALE, Loaded, ReferenceChat, asyncio_only, load, reference, render
+from ..conftest import INIT_SCALE, Loaded, ReferenceChat, asyncio_only, load, reference, render
 
 # What these tests check does not depend on the event loop.
 anyio_backend = asyncio_only()

@@ -31,8 +31,8 @@ from mlx_actors.runtime import _disk, _store
 from mlx_actors.scheduler import BlockEntry, CacheImage
 from mlx_actors.testing import tiny_config, write_random_model
 
-from .conftest import Loaded, ReferenceChat, reference, render
-from .test_agents import FaultyRuntime, long_question
+from ..actors.test_agents import FaultyRuntime, long_question
+from ..conftest import Loaded, ReferenceChat, reference, render
 
 pytestmark = pytest.mark.anyio
 

@@ -1,0 +1,1 @@
+"""The cluster on a local Ray instance."""

@@ -1,0 +1,1 @@
+"""The runtime: persistence and adoption, the default model and GGUF, Ctrl-C, the trace."""
