@@ -20,7 +20,11 @@ from mlx_actors import Runtime
 from mlx_actors.runtime._main import STOPPING
 from mlx_actors.testing import tiny_config, write_random_model
 
-SCRIPT = textwrap.dedent(
+#: As Python starts on a terminal: a shell that runs the suite in the background has
+#: its children ignore Ctrl-C, and a script that ignores it is left so by ``run``.
+CTRL_C = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)"
+
+SCRIPT = CTRL_C + textwrap.dedent(
     """
     import sys
     from mlx_actors import Runtime, run
@@ -104,7 +108,7 @@ def test_ctrl_c_stops_within_a_step_with_one_line_and_undoes_the_turn(
 
 #: A script whose clean-up after a Ctrl-C takes long (shielded): only a second Ctrl-C
 #: shortens it. The runtime is still open meanwhile, its engine thread running.
-SLOW_EXIT = textwrap.dedent(
+SLOW_EXIT = CTRL_C + textwrap.dedent(
     """
     import sys
     import anyio
