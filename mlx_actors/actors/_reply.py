@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import anyio
 import attrs
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..errors import InvalidRequestError, MlxActorsError
 from ..scheduler import Usage
 from ._tools import ToolCall
-
-if TYPE_CHECKING:
-    from ._envelope import Envelope
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -119,6 +117,26 @@ class Reply:
         return self.text
 
 
+class Request(Protocol):
+    """What a stream reads of its turn's request (an agent's envelope)."""
+
+    pieces: MemoryObjectReceiveStream[str] | None
+    reply: Reply | None
+    error: BaseException | None
+    done: anyio.Event
+    sent: bool
+
+    async def send(self) -> None: ...
+
+    async def outcome(self) -> Reply | None: ...
+
+    async def abandon(self) -> None: ...
+
+    def deadline_in(self) -> float | None: ...
+
+    def timeout_error(self) -> Exception: ...
+
+
 class TurnStream:
     """The text of one turn as it is generated; see :meth:`Agent.stream`.
 
@@ -132,7 +150,7 @@ class TurnStream:
     turn, not the reading of pieces it has already made.
     """
 
-    def __init__(self, envelope: Envelope) -> None:
+    def __init__(self, envelope: Request) -> None:
         self._envelope = envelope
         self._pieces = envelope.pieces
 
