@@ -54,7 +54,7 @@ from ._records import (
     Usage,
     check_stops,
 )
-from ._solo import KeptCaches, Solo
+from ._solo import KeptCaches, Solo, kept_for
 from ._text import TextStream
 
 _AUTO: Any = object()
@@ -165,6 +165,13 @@ class BlockPoolBatchEngine:
         step_seconds: how long one step's prefill should take, at most: the prompt
             tokens a step runs follow the prefill rate measured (:class:`Pacing`), so
             that cancels, timeouts and new turns wait for a short step on any machine.
+        index: the prefix index of ``pool``'s blocks, told of each block the pool
+            releases (by default one of the engine's own, subscribed to ``pool``).
+        kept_caches: where caches of lone turns are kept for their agents' next ones
+            (by default an eighth of the pool's bytes).
+        make_room: called with an agent id when a reservation fails; returns whether it
+            freed blocks (by moving an idle agent's cache out of the pool), so that the
+            engine tries again.
     """
 
     def __init__(
@@ -181,6 +188,9 @@ class BlockPoolBatchEngine:
         min_shared: int = 64,
         long_prefill: int = 1024,
         step_seconds: float = 0.25,
+        index: PrefixIndex | None = None,
+        kept_caches: KeptCaches | None = None,
+        make_room: Callable[[str], bool] | None = None,
     ) -> None:
         for name, value in (
             ("max_batch_size", max_batch_size),
@@ -212,11 +222,11 @@ class BlockPoolBatchEngine:
         self.pacing = Pacing(
             step_seconds, ceiling=max(prefill_step_size, 2048) * prefill_batch_size
         )
-        self.index = PrefixIndex(self.spec)
-        pool.on_release(self.index.detach)
-        #: Called with an agent id when a reservation fails; returns whether it freed
-        #: blocks (by evicting an idle agent's cache), so that the engine tries again.
-        self.make_room: Callable[[str], bool] | None = None
+        if index is None:  # an engine of its own: the pool tells its index of releases
+            index = PrefixIndex(self.spec)
+            pool.on_release(index.detach)
+        self.index = index
+        self._make_room = make_room
         self._generator_options = dict(
             completion_batch_size=max_batch_size,
             # Long prompts and long histories are prefilled as jobs: what joins the
@@ -242,9 +252,8 @@ class BlockPoolBatchEngine:
         self._decoded = 0
         #: Agents whose prompts ran in the step under way.
         self._prefilled: list[str] = []
-        #: Caches of sequences that finished alone, for their agents' next turns: at
-        #: most an eighth of the pool's bytes, outside it.
-        self._kept_caches = KeptCaches(pool.budget_bytes // 8)
+        #: Caches of sequences that finished alone, for their agents' next turns.
+        self._kept_caches = kept_caches if kept_caches is not None else kept_for(pool)
         self._refused: list[tuple[int, MlxActorsError]] = []
         self._steps = self._prefill_tokens = self._generated_tokens = 0
         self._cached_tokens = self._completed = self._max_decode_batch = 0
@@ -549,7 +558,7 @@ class BlockPoolBatchEngine:
                     seq.reservation.grow(need - have)
                 return
             except PoolExhaustedError:
-                if self.make_room is None or not self.make_room(seq.agent_id):
+                if self._make_room is None or not self._make_room(seq.agent_id):
                     raise
 
     # -- running ----------------------------------------------------------------------
@@ -787,7 +796,7 @@ class BlockPoolBatchEngine:
             try:
                 job.reservation.grow(need - job.reservation.remaining)
             except PoolExhaustedError:
-                if self.make_room is None or not self.make_room(agent):
+                if self._make_room is None or not self._make_room(agent):
                     raise
 
     def _end_job(self, job: PrefillJob) -> None:

@@ -23,6 +23,7 @@ from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import TokenBuffer
 from mlx_lm.sample_utils import greedy_sampler
 
+from ..kv._pool import BlockPool
 from ._buffers import release_prefill_buffers
 from ._pacing import chunk as fit
 from ._records import LogitsProcessor, Sampler
@@ -198,3 +199,8 @@ class KeptCaches:
             self._caches.clear()
         else:
             self._caches.pop(agent, None)
+
+
+def kept_for(pool: BlockPool) -> KeptCaches:
+    """Kept caches beside ``pool``: at most an eighth of its bytes, outside it."""
+    return KeptCaches(pool.budget_bytes // 8)

@@ -127,10 +127,19 @@ class BlockPool:
     A turn reserves the blocks it may need before it runs (:meth:`reserve`), so it
     can never run out half-way.
 
+    ``on_release`` is called with every block the pool releases (its last reference
+    gone), before its arrays are dropped (:meth:`on_release` adds more).
+
     Not thread-safe: the engine thread is the only one that touches it.
     """
 
-    def __init__(self, spec: ModelCacheSpec, *, total_blocks: int) -> None:
+    def __init__(
+        self,
+        spec: ModelCacheSpec,
+        *,
+        total_blocks: int,
+        on_release: Callable[[KVBlock], None] | None = None,
+    ) -> None:
         if not isinstance(total_blocks, int) or total_blocks <= 0:
             raise InvalidRequestError(f"total_blocks must be a positive int, got {total_blocks!r}")
         self.spec = spec
@@ -141,10 +150,16 @@ class BlockPool:
         self._reserved = 0
         self._peak = 0
         self._ids = itertools.count()
-        self._on_release: list[Callable[[KVBlock], None]] = []
+        self._on_release = [on_release] if on_release is not None else []
 
     @classmethod
-    def from_bytes(cls, spec: ModelCacheSpec, budget_bytes: int) -> BlockPool:
+    def from_bytes(
+        cls,
+        spec: ModelCacheSpec,
+        budget_bytes: int,
+        *,
+        on_release: Callable[[KVBlock], None] | None = None,
+    ) -> BlockPool:
         """A pool holding as many blocks as fit in ``budget_bytes``."""
         total = int(budget_bytes) // spec.unit_bytes
         if total < spec.max_units:
@@ -152,7 +167,7 @@ class BlockPool:
                 f"a pool of {budget_bytes} bytes holds no block: one block of this model "
                 f"costs {spec.block_bytes} bytes"
             )
-        return cls(spec, total_blocks=total)
+        return cls(spec, total_blocks=total, on_release=on_release)
 
     @property
     def used_blocks(self) -> int:

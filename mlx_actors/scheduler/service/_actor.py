@@ -21,10 +21,13 @@ from ...errors import CorruptStateError, MlxActorsError, RuntimeClosedError
 from ..caches._quantized import KVQuantization
 from ..engine._engine import BlockPoolBatchEngine
 from ..engine._records import CompletedGeneration
+from ..engine._solo import kept_for
 from ..kv._pool import AgentBlocks, BlockPool
+from ..kv._prefix import PrefixIndex
 from ..kv._spec import LayerKind, ModelCacheSpec
 from ..residency._host import HostCaches
 from ..residency._image import CacheImage
+from ..residency._manager import CacheManager
 from ._events import (
     Cancelled,
     Event,
@@ -536,15 +539,30 @@ class Scheduler:
 
     # -- the engine thread ---------------------------------------------------------------
 
-    def _start_engine(self) -> BlockPoolBatchEngine:
+    def _start_engine(self) -> EngineLoop:
         model, tokenizer = self._load()
         spec = ModelCacheSpec.from_model(model, quantization=self._kv_quantization)
+        index = PrefixIndex(spec)  # told of every block the pool releases
         if self._pool_blocks is not None:
-            pool = BlockPool(spec, total_blocks=self._pool_blocks * spec.max_units)
+            total = self._pool_blocks * spec.max_units
+            pool = BlockPool(spec, total_blocks=total, on_release=index.detach)
         else:
-            pool = BlockPool.from_bytes(spec, self._pool_bytes or 1 << 30)
+            budget = self._pool_bytes or 1 << 30
+            pool = BlockPool.from_bytes(spec, budget, on_release=index.detach)
         host = self._host_bytes
         self._host.budget = pool.budget_bytes // 2 if host is None else host
+        kept = kept_for(pool)
+        outbox: Outbox = []
+        caches = CacheManager(
+            pool,
+            index,
+            kept,
+            log=self._log,
+            on_evicted=lambda agent, image: outbox.append(Evicted(agent, image)),
+            share_prefixes=self._share_prefixes,
+            persistent_store=self._store.persistent,
+            whole_evictions=self._host.budget > 0,
+        )
         engine = BlockPoolBatchEngine(
             model,
             tokenizer,
@@ -552,6 +570,9 @@ class Scheduler:
             max_batch_size=self._max_batch_size,
             prefill_step_size=self._prefill_step_size,
             share_prefixes=self._share_prefixes,
+            index=index,
+            kept_caches=kept,
+            make_room=caches.make_room,
         )
         self.model, self.tokenizer, self.spec = model, tokenizer, spec
         self.max_text_chars = _max_text_chars(tokenizer, spec, pool.total_blocks)
@@ -564,24 +585,23 @@ class Scheduler:
             max_batch_size=self._max_batch_size,
             **_kv_fields(spec.quantization),
         )
-        return engine
+        return EngineLoop(
+            engine,
+            caches,
+            outbox,
+            self._commands,
+            self._deliver_from_thread,
+            log=self._log,
+            admission_window=self._admission_window,
+            coming=lambda: self._coming,
+        )
+
+    def _deliver_from_thread(self, items: Outbox) -> None:
+        anyio.from_thread.run_sync(self._deliver, items, token=self._token)
 
     def _thread_main(self) -> None:
-        def deliver(items: Outbox) -> None:
-            anyio.from_thread.run_sync(self._deliver, items, token=self._token)
-
         try:
-            engine = self._start_engine()
-            loop = EngineLoop(
-                engine,
-                self._commands,
-                deliver,
-                log=self._log,
-                admission_window=self._admission_window,
-                coming=lambda: self._coming,
-                persistent_store=self._store.persistent,
-                whole_evictions=self._host.budget > 0,
-            )
+            loop = self._start_engine()
         except BaseException:
             with self._lock:
                 self._stopped = True
@@ -599,7 +619,7 @@ class Scheduler:
                 except queue.Empty:
                     break
             self._final = loop.close(leftovers)
-            deliver(loop.outbox)
+            self._deliver_from_thread(loop.outbox)
             self._log.info("scheduler.stopped", pool_used=self._final.pool.used_blocks)
 
 

@@ -1,5 +1,6 @@
-"""The engine thread: every command from the event loop, every step of the batch, and the
-agents' caches (resident as blocks, or moved to disk when the pool runs short)."""
+"""The engine thread's loop: every command from the event loop, every step of the batch,
+and which turn is admitted when (the agents' caches themselves are the
+:class:`~..residency._manager.CacheManager`'s)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import queue
 import time
 from collections.abc import Callable
 from typing import Any
-
-import attrs
 
 from ...errors import (
     CacheReconstructionError,
@@ -21,8 +20,8 @@ from ...errors import (
 from ..engine._constraint import Constraint, grammar_tokenizer
 from ..engine._engine import BlockPoolBatchEngine
 from ..engine._records import TokenEvent
-from ..kv._pool import AgentBlocks, KVBlock
-from ..residency._image import CacheImage, make_blocks, stored_ids, take_image
+from ..residency._image import CacheImage
+from ..residency._manager import CacheEntry, CacheManager, nothing_to_evict
 from . import _events as events
 from ._protocol import (
     SHUTDOWN,
@@ -45,32 +44,6 @@ from ._protocol import (
 Outbox = list[events.Event]
 
 
-@attrs.define(eq=False)
-class _Entry:
-    """One agent's cache: resident as blocks, or on disk (``blocks is None``)."""
-
-    tokens: tuple[int, ...] = ()
-    blocks: AgentBlocks | None = None
-    last_used: float = 0.0
-    #: A turn of the agent is queued, running, or finished and not yet committed.
-    busy: bool = False
-    #: The serial of the agent's latest snapshot for the store.
-    snapshot: int = 0
-    #: Ids of the agent's blocks whose data its saved cache already holds, and where.
-    stored: dict[int, str] = attrs.Factory(dict)
-    #: Which blocks the agent may share (every agent's, unless sharing is off: then
-    #: its own and its forks').
-    namespace: object = None
-    #: A turn of several rounds (tool calls) is under way: the cache it started from
-    #: (``kept``, ``None`` if there was none) waits for its end, and the agent is not
-    #: evicted meanwhile.
-    holding: bool = False
-    kept: AgentBlocks | None = None
-
-    def busy_or_holding(self) -> bool:
-        return self.busy or self.holding
-
-
 class EngineLoop:
     """Runs on the engine thread until it reads the shutdown command.
 
@@ -88,27 +61,26 @@ class EngineLoop:
     def __init__(
         self,
         engine: BlockPoolBatchEngine,
+        caches: CacheManager,
+        outbox: Outbox,
         commands: queue.SimpleQueue[object],
         deliver: Callable[[Outbox], None],
         *,
         log: Any,
         admission_window: float,
-        persistent_store: bool,
         coming: Callable[[], int] = lambda: 0,
-        whole_evictions: bool = False,
     ) -> None:
         self.engine = engine
+        self.caches = caches
         self.pool = engine.pool
+        #: What the event loop must hear, handed over after each step (the cache
+        #: manager adds the caches it evicts).
+        self.outbox = outbox
         self._commands = commands
         self._deliver = deliver
         self._log = log
         self._window = admission_window
         self._coming = coming
-        self._persistent = persistent_store
-        #: Evicted caches carry every block (for host memory), not only unstored ones.
-        self._whole_evictions = whole_evictions
-        self._dtype = engine.spec.layers[0].stored_dtype
-        self.agents: dict[str, _Entry] = {}
         self.turns: dict[int, Turn] = {}
         #: Turns waiting for room in the pool, oldest first (with the cache read back
         #: from disk for them, if any).
@@ -117,10 +89,6 @@ class EngineLoop:
         self._room = False
         #: The tokenizer as the grammar engine reads it (built at the first constraint).
         self._grammar_tokenizer: Any = None
-        engine.make_room = self._make_room
-        self.outbox: Outbox = []
-        self.evictions = self.restores = 0
-        self._serial = 0
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -162,7 +130,8 @@ class EngineLoop:
             if self.waiting and self._room:
                 self._admit_waiting()
             if self.outbox:
-                items, self.outbox = self.outbox, []
+                items = self.outbox[:]
+                self.outbox.clear()
                 self._deliver(items)
 
     def apply(self, command: object) -> None:
@@ -173,45 +142,27 @@ class EngineLoop:
         elif isinstance(command, Cancel):
             self._cancel(command.turn)
         elif isinstance(command, Commit):
-            self._commit(command)
-        elif isinstance(command, Release):
-            self.pool.free(command.blocks.blocks())
-            self._entry(command.agent).busy = False
-        elif isinstance(command, Undo):
-            self._undo(command.agent)
-        elif isinstance(command, Save):
-            self._save(command)
-        elif isinstance(command, Stored):
-            # Only the latest snapshot's files are sure to stay: a later save rewrites
-            # the blocks an earlier one wrote, and deletes the earlier chunks.
-            entry = self.agents.get(command.agent)
-            if self._persistent and entry is not None and entry.snapshot == command.serial:
-                held = {b.id for b in entry.blocks.blocks()} if entry.blocks is not None else ()
-                entry.stored.update((k, ref) for k, ref in command.refs.items() if k in held)
-        elif isinstance(command, Forget):
-            self.engine.forget(command.agent)
-            entry = self.agents.pop(command.agent, None)
-            if entry is not None:
-                self._free_entry(entry)
-        elif isinstance(command, Adopt):
-            self.agents[command.agent] = _Entry(
-                tokens=command.tokens, namespace=self._namespace(command.agent)
+            self.caches.commit(
+                command.agent, command.blocks, hold=command.hold, saving=command.saving
             )
+        elif isinstance(command, Release):
+            self.caches.release(command.agent, command.blocks)
+        elif isinstance(command, Undo):
+            self.caches.undo(command.agent)
+        elif isinstance(command, Save):
+            self.outbox.append(events.SaveReady(command, self.caches.snapshot(command.agent)))
+        elif isinstance(command, Stored):
+            self.caches.stored(command.agent, command.refs, command.serial)
+        elif isinstance(command, Forget):
+            self.caches.forget(command.agent)
+        elif isinstance(command, Adopt):
+            self.caches.adopt(command.agent, command.tokens)
         elif isinstance(command, Fork):
             self._fork(command)
         elif isinstance(command, Query):
             self.outbox.append(events.Statistics(command.reply, self.snapshot()))
 
     # -- admission, eviction, restore ------------------------------------------------------
-
-    def _entry(self, agent: str) -> _Entry:
-        entry = self.agents.get(agent)
-        if entry is None:
-            entry = self.agents[agent] = _Entry(namespace=self._namespace(agent))
-        return entry
-
-    def _namespace(self, agent: str) -> object:
-        return None if self.engine.share_prefixes else agent
 
     def _admit(self, turn: Turn, image: CacheImage | None) -> None:
         if self.waiting:  # in order of arrival
@@ -249,25 +200,19 @@ class EngineLoop:
             waiting=len(self.waiting),
         )
 
-    def _others_busy(self, agent: str) -> bool:
-        """Whether another agent's turn is in the engine (it will free or release blocks
-        when it finishes). An agent between rounds of tool calls does not count: its
-        next round may wait on the very room a waiting turn wants, or its tool on that
-        turn, so waiting for it could wait forever."""
-        return any(e.busy for name, e in self.agents.items() if name != agent)
-
     def _try_admit(self, turn: Turn, image: CacheImage | None) -> PoolExhaustedError | None:
         """Admit ``turn``, or answer it (refused, or its cache to read back); or, when
         the pool lacks room now but a turn in flight may make some, say how short it
         is."""
-        entry = self._entry(turn.agent)
+        entry = self.caches.entry(turn.agent)
         try:
-            if entry.blocks is None and entry.tokens:
+            if entry.evicted:
                 if image is None:  # on disk: the event loop reads it, then sends it back
                     self.outbox.append(events.NeedsRestore(turn))
                     return None
                 try:
-                    self._restore(turn.agent, entry, image)
+                    self.caches.restore(turn.agent, image)
+                    self.outbox.append(events.Restored(turn.agent))
                 except CacheReconstructionError as exc:
                     # A cache that does not fit is never used: the agent starts over
                     # from its conversation, and the event loop deletes the files.
@@ -275,15 +220,15 @@ class EngineLoop:
                     self.outbox.append(events.RestoreFailed(turn, exc))
                     return None
                 except PoolExhaustedError:
-                    if self._others_busy(turn.agent):
+                    if self.caches.others_busy(turn.agent):
                         raise
                     # Larger than the pool can hold with nothing in flight: the turn
                     # starts from the conversation (the event loop lets the image go).
-                    self._drop_cache(turn, entry, image.num_blocks, "its saved cache")
+                    self._drop_cache(turn, image.num_blocks, "its saved cache")
                     self.outbox.append(events.Restored(turn.agent))
             uid = self._submit_within_pool(turn, entry)
         except MlxActorsError as exc:
-            if isinstance(exc, PoolExhaustedError) and self._others_busy(turn.agent):
+            if isinstance(exc, PoolExhaustedError) and self.caches.others_busy(turn.agent):
                 return exc
             self._log.info("turn.refused", agent=turn.agent, turn=turn.id, error=type(exc).__name__)
             self.outbox.append(events.Failed(turn, exc))
@@ -311,7 +256,7 @@ class EngineLoop:
             )
         ]
 
-    def _submit_within_pool(self, turn: Turn, entry: _Entry) -> int:
+    def _submit_within_pool(self, turn: Turn, entry: CacheEntry) -> int:
         """Submit ``turn``. If the pool cannot hold the agent's own cache beside the
         turn's new blocks, and no other cache can leave and no turn in flight free any,
         the turn starts without that cache (from what other agents' live blocks hold,
@@ -321,25 +266,18 @@ class EngineLoop:
         try:
             return self._submit(turn, entry)
         except PoolExhaustedError:
-            if entry.blocks is None or entry.holding or self._others_busy(turn.agent):
+            if entry.blocks is None or entry.holding or self.caches.others_busy(turn.agent):
                 raise
-        self._drop_cache(turn, entry, entry.blocks.num_blocks, "its cache")
+        self._drop_cache(turn, entry.blocks.num_blocks, "its cache")
         return self._submit(turn, entry)
 
-    def _drop_cache(self, turn: Turn, entry: _Entry, blocks: int, what: str) -> None:
+    def _drop_cache(self, turn: Turn, blocks: int, what: str) -> None:
         """Start ``turn`` without its agent's cache, which the pool cannot hold beside
-        the turn's new blocks: free what the pool holds of it and forget it."""
-        self._free_entry(entry)
-        entry.tokens, entry.stored = (), {}
-        self._log.info(
-            "blocks.dropped",
-            agent=turn.agent,
-            turn=turn.id,
-            blocks=blocks,
-            reason=f"the pool cannot hold {what} beside the turn's new blocks",
-        )
+        the turn's new blocks."""
+        why = f"the pool cannot hold {what} beside the turn's new blocks"
+        self.caches.drop(turn.agent, blocks, why, turn=turn.id)
 
-    def _submit(self, turn: Turn, entry: _Entry) -> int:
+    def _submit(self, turn: Turn, entry: CacheEntry) -> int:
         tokens, blocks = turn.tokens, entry.blocks
         # The engine finds the longest prefix any live blocks hold; the agent's own
         # blocks tell it which part is the agent's (and which shared with others).
@@ -366,7 +304,7 @@ class EngineLoop:
             )
         except PoolExhaustedError as exc:
             own = blocks.blocks() if blocks is not None else ()  # distinct: one layer each
-            raise _nothing_to_evict(exc, sum(self.pool.spec.units(b.layer) for b in own)) from None
+            raise nothing_to_evict(exc, sum(self.pool.spec.units(b.layer) for b in own)) from None
         admission = self.engine.admission(uid)
         assert admission is not None
         lost = {"not_reused": admission.not_reused} if admission.not_reused else {}
@@ -394,122 +332,10 @@ class EngineLoop:
             )
         return int(uid)
 
-    def _make_room(self, agent: str) -> bool:
-        return self._evict_one(exclude=agent)
-
-    def _with_room(self, agent: str, attempt: Callable[[], Any]) -> Any:
-        """Run ``attempt``; while the pool is short, move the least recently used idle
-        agent's cache to disk and try again."""
-        while True:
-            try:
-                return attempt()
-            except PoolExhaustedError as exc:
-                if not self._evict_one(exclude=agent):
-                    raise _nothing_to_evict(exc) from None
-
-    def _evict_one(self, exclude: str) -> bool:
-        """Move the least recently used idle agent's cache to disk, among those whose
-        cache holds a block nobody else does; failing that, among those holding a block
-        that only idle agents hold (a parent and its fork: evicting them all frees it).
-        Evicting any other frees nothing."""
-        idle = {
-            name: entry
-            for name, entry in self.agents.items()
-            if entry.blocks is not None and not entry.busy_or_holding() and name != exclude
-        }
-        alone = [
-            (entry.last_used, name)
-            for name, entry in idle.items()
-            if entry.blocks is not None
-            and any(self.pool.references(b) == 1 for b in entry.blocks.blocks())
-        ]
-        name = min(alone)[1] if alone else self._evictable_together(idle)
-        if name is None:
-            return False
-        entry = self.agents[name]
-        assert entry.blocks is not None
-        started = time.perf_counter()
-        image = self._take_image(entry, whole=self._whole_evictions)
-        blocks = entry.blocks.num_blocks
-        self.pool.free(entry.blocks.blocks())
-        entry.blocks = None
-        self.evictions += 1
-        self._log.info(
-            "blocks.evicted",
-            agent=name,
-            blocks=blocks,
-            bytes=image.nbytes,
-            ms=round((time.perf_counter() - started) * 1e3, 2),
-            pool_used=self.pool.used_blocks,
-        )
-        self.outbox.append(events.Evicted(name, image))
-        return True
-
-    def _evictable_together(self, idle: dict[str, _Entry]) -> str | None:
-        """The least recently used of the ``idle`` agents holding a block that no one
-        else holds (no turn, no other agent), if any."""
-        holders: collections.Counter[int] = collections.Counter()
-        blocks: dict[int, KVBlock] = {}
-        for entry in idle.values():
-            assert entry.blocks is not None
-            for block in entry.blocks.blocks():
-                holders[block.id] += 1
-                blocks[block.id] = block
-        freed = {i for i, n in holders.items() if self.pool.references(blocks[i]) == n}
-        candidates = [
-            (entry.last_used, name)
-            for name, entry in idle.items()
-            if entry.blocks is not None and any(b.id in freed for b in entry.blocks.blocks())
-        ]
-        return min(candidates)[1] if candidates else None
-
-    def _restore(self, agent: str, entry: _Entry, image: CacheImage) -> None:
-        started = time.perf_counter()
-        if image.tokens != entry.tokens:
-            raise CacheReconstructionError(
-                f"the saved cache of agent {agent!r} holds {len(image.tokens)} tokens that "
-                f"are not the {len(entry.tokens)} its index names"
-            )
-        blocks = make_blocks(
-            self.pool,
-            image,
-            lambda n: self._with_room(agent, lambda: self.pool.reserve(n)),
-            index=self.engine.index,
-            namespace=entry.namespace,
-        )
-        entry.blocks = blocks
-        if self._persistent:
-            entry.stored = stored_ids(image, blocks)
-        self.restores += 1
-        self._log.info(
-            "blocks.restored",
-            agent=agent,
-            blocks=blocks.num_blocks,
-            bytes=image.nbytes,
-            ms=round((time.perf_counter() - started) * 1e3, 2),
-            pool_used=self.pool.used_blocks,
-        )
-        self.outbox.append(events.Restored(agent))
-
-    def _take_image(self, entry: _Entry, *, whole: bool = False) -> CacheImage:
-        assert entry.blocks is not None
-        self._serial += 1
-        entry.snapshot = self._serial
-        return take_image(entry.blocks, entry.stored, self._dtype, self._serial, whole=whole)
-
     def _fork(self, command: Fork) -> None:
         """A new agent holding the parent's cache by reference (or, on disk, to be read
         from the parent's files)."""
-        parent = self._entry(command.parent)
-        stale = self.agents.get(command.child)
-        if stale is not None:  # never leak what it held
-            self._free_entry(stale)
-        child = self.agents[command.child] = _Entry(
-            tokens=parent.tokens,
-            blocks=self.engine.share(parent.blocks) if parent.blocks is not None else None,
-            last_used=time.perf_counter(),
-            namespace=parent.namespace,
-        )
+        child, evicted = self.caches.fork(command.parent, command.child)
         blocks = child.blocks.num_blocks if child.blocks is not None else 0
         self._log.info(
             "agent.forked",
@@ -519,7 +345,7 @@ class EngineLoop:
             shared_blocks=blocks,
             pool_used=self.pool.used_blocks,
         )
-        self.outbox.append(events.Forked(command, parent.blocks is None and bool(parent.tokens)))
+        self.outbox.append(events.Forked(command, evicted))
 
     # -- the rest of a turn's life ---------------------------------------------------------
 
@@ -529,55 +355,11 @@ class EngineLoop:
             self._log.info("turn.cancelled", agent=turn.agent, turn=turn.id, waiting=True)
         if turn.uid is not None and self.turns.pop(turn.uid, None) is not None:
             self.engine.cancel(turn.uid)
-            self._entry(turn.agent).busy = False
+            self.caches.entry(turn.agent).busy = False
             self._log.info(
                 "turn.cancelled", agent=turn.agent, turn=turn.id, pool_used=self.pool.used_blocks
             )
         self.outbox.append(events.Cancelled(turn))
-
-    def _commit(self, command: Commit) -> None:
-        entry = self._entry(command.agent)
-        if command.hold and not entry.holding:
-            entry.holding, entry.kept = True, entry.blocks  # the turn's start, for Undo
-        elif entry.blocks is not None and entry.blocks is not command.blocks:
-            self.pool.free(entry.blocks.blocks())  # (the same blocks: the hold ends)
-        if not command.hold:
-            if entry.kept is not None:
-                self.pool.free(entry.kept.blocks())
-            entry.holding, entry.kept = False, None
-        entry.blocks, entry.tokens = command.blocks, command.blocks.tokens
-        entry.last_used, entry.busy = time.perf_counter(), command.saving
-        if entry.stored:  # only the blocks it still holds can be referred to
-            entry.stored = {
-                b.id: entry.stored[b.id] for b in entry.blocks.blocks() if b.id in entry.stored
-            }
-
-    def _undo(self, agent: str) -> None:
-        entry = self.agents.get(agent)
-        if entry is None or not entry.holding:
-            return
-        if entry.blocks is not None:
-            self.pool.free(entry.blocks.blocks())
-        entry.blocks, entry.kept, entry.holding = entry.kept, None, False
-        entry.tokens = entry.blocks.tokens if entry.blocks is not None else ()
-        entry.busy = False
-        # Saved blocks the store holds are those of the cache the turn started from.
-        held = {b.id for b in entry.blocks.blocks()} if entry.blocks is not None else set()
-        entry.stored = {k: v for k, v in entry.stored.items() if k in held}
-
-    def _free_entry(self, entry: _Entry) -> None:
-        for blocks in (entry.blocks, entry.kept):
-            if blocks is not None:
-                self.pool.free(blocks.blocks())
-        entry.blocks = entry.kept = None
-        entry.holding = False
-
-    def _save(self, command: Save) -> None:
-        entry = self.agents.get(command.agent)
-        image = None
-        if entry is not None and entry.blocks is not None:
-            image = self._take_image(entry)
-        self.outbox.append(events.SaveReady(command, image))
 
     def _step(self) -> None:
         engine = self.engine
@@ -588,7 +370,7 @@ class EngineLoop:
             self._refused()  # turns refused before the failure still get their answer
             for uid in exc.uids:
                 turn = self.turns.pop(uid)
-                self._entry(turn.agent).busy = False
+                self.caches.entry(turn.agent).busy = False
                 self.outbox.append(events.Failed(turn, exc))
             self._room = True
             return
@@ -635,9 +417,9 @@ class EngineLoop:
             turn = self.turns.pop(uid, None)
             if turn is None:
                 continue
-            self._entry(turn.agent).busy = False
+            self.caches.entry(turn.agent).busy = False
             self._room = True
-            if isinstance(error, PoolExhaustedError) and self._others_busy(turn.agent):
+            if isinstance(error, PoolExhaustedError) and self.caches.others_busy(turn.agent):
                 turn.uid = None  # admitted again once there is room, before later turns
                 self._wait_for_room(turn, None, error, first=True)
                 continue
@@ -647,28 +429,11 @@ class EngineLoop:
             self.outbox.append(events.Failed(turn, error))
 
     def snapshot(self) -> SchedulerStatistics:
-        holders: dict[int, int] = {}
-        sizes: dict[int, int] = {}
-        resident = 0
-        for entry in self.agents.values():
-            if entry.blocks is not None:
-                resident += 1
-                for b in entry.blocks.blocks():
-                    holders[b.id] = holders.get(b.id, 0) + 1
-                    sizes[b.id] = self.pool.spec.layers[b.layer].block_bytes
-        held = sum(holders.values())
         return SchedulerStatistics(
             pool=self.pool.statistics(),
             engine=self.engine.statistics(),
             turns_in_flight=len(self.turns) + len(self.waiting),
-            resident_agents=resident,
-            resident_blocks=len(holders),
-            agent_blocks=held,
-            shared_bytes=sum((n - 1) * sizes[i] for i, n in holders.items()),
-            shared_blocks=sum(1 for n in holders.values() if n > 1),
-            agents_on_disk=sum(1 for e in self.agents.values() if e.blocks is None and e.tokens),
-            evictions=self.evictions,
-            restores=self.restores,
+            **self.caches.counts(),
         )
 
     def close(self, leftovers: list[object]) -> SchedulerStatistics:
@@ -681,9 +446,7 @@ class EngineLoop:
         self.engine.close()
         # Each cache once: a commit left over may bring blocks an agent already holds
         # (the one that ends a hold while a turn is saved), or come twice.
-        freed = {id(b) for e in self.agents.values() for b in (e.blocks, e.kept) if b is not None}
-        for entry in self.agents.values():
-            self._free_entry(entry)
+        freed = self.caches.free_all()
         for command in leftovers:
             if isinstance(command, (Release, Commit)) and id(command.blocks) not in freed:
                 freed.add(id(command.blocks))
@@ -701,20 +464,3 @@ class EngineLoop:
             elif isinstance(command, Fork):
                 self.outbox.append(events.Forked(command, None))
         return final
-
-
-def _nothing_to_evict(exc: PoolExhaustedError, own: int = 0) -> PoolExhaustedError:
-    """``exc`` once nothing could be moved to disk; ``own``: the units of the turn's own
-    cache, which stays in the pool until the turn ends."""
-    mine = (
-        f" This agent's own cache holds {own} of the used ones: it stays until the turn "
-        "ends, beside the turn's new blocks. Every other cache"
-        if own
-        else " Every cache"
-    )
-    return PoolExhaustedError(
-        f"{exc}.{mine} left in the pool belongs to an agent with a turn in flight (or is "
-        "shared with one), so none could be moved to disk.",
-        needed=exc.needed,
-        free=exc.free,
-    )

@@ -1,0 +1,371 @@
+"""Every agent's cache, wherever it is: the one owner of residency on the engine thread.
+
+An agent's cache is in the pool (its blocks), on the device as a copy of those blocks
+kept for a lone turn (the engine's :class:`KeptCaches`, which this manager forgets for
+it), or out of the pool (evicted: taken as a :class:`CacheImage` for host memory and
+disk). :class:`CacheManager` keeps one record per agent and is the only code that
+changes it: a turn's commit, hold and undo, a dropped result, a fork, a save's snapshot,
+choosing what to evict when the pool runs short, and making blocks again from an image.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from ...errors import CacheReconstructionError, PoolExhaustedError
+from ..engine._solo import KeptCaches
+from ..kv._pool import AgentBlocks, BlockPool, KVBlock
+from ..kv._prefix import PrefixIndex
+from ._image import CacheImage, make_blocks, stored_ids, take_image
+
+
+@attrs.define(eq=False)
+class CacheEntry:
+    """One agent's cache: resident as blocks, or out of the pool (``blocks is None``
+    while ``tokens`` is not empty)."""
+
+    tokens: tuple[int, ...] = ()
+    blocks: AgentBlocks | None = None
+    last_used: float = 0.0
+    #: A turn of the agent is queued, running, or finished and not yet committed.
+    busy: bool = False
+    #: The serial of the agent's latest snapshot for the store.
+    snapshot: int = 0
+    #: Ids of the agent's blocks whose data its saved cache already holds, and where.
+    stored: dict[int, str] = attrs.Factory(dict)
+    #: Which blocks the agent may share (every agent's, unless sharing is off: then
+    #: its own and its forks').
+    namespace: object = None
+    #: A turn of several rounds (tool calls) is under way: the cache it started from
+    #: (``kept``, ``None`` if there was none) waits for its end, and the agent is not
+    #: evicted meanwhile.
+    holding: bool = False
+    kept: AgentBlocks | None = None
+
+    @property
+    def evicted(self) -> bool:
+        """The cache is out of the pool (on disk, or in host memory on its way there)."""
+        return self.blocks is None and bool(self.tokens)
+
+    def busy_or_holding(self) -> bool:
+        return self.busy or self.holding
+
+
+class CacheManager:
+    """Every agent's cache record, and every change to it (engine thread only).
+
+    ``on_evicted(agent, image)`` is called with each cache moved out of the pool (the
+    caller writes it to the store). ``whole_evictions``: evicted images carry every
+    block's arrays (for the host tier), not only those the store lacks.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        index: PrefixIndex,
+        kept: KeptCaches,
+        *,
+        log: Any,
+        on_evicted: Callable[[str, CacheImage], None],
+        share_prefixes: bool,
+        persistent_store: bool,
+        whole_evictions: bool = False,
+    ) -> None:
+        self.pool = pool
+        self._index = index
+        self._kept = kept
+        self._log = log
+        self._on_evicted = on_evicted
+        self._share_prefixes = share_prefixes
+        self._persistent = persistent_store
+        self._whole_evictions = whole_evictions
+        self._dtype = pool.spec.layers[0].stored_dtype
+        self.agents: dict[str, CacheEntry] = {}
+        self.evictions = self.restores = 0
+        self._serial = 0
+
+    def entry(self, agent: str) -> CacheEntry:
+        """The agent's record (a new, empty one if it has none)."""
+        entry = self.agents.get(agent)
+        if entry is None:
+            entry = self.agents[agent] = CacheEntry(namespace=self._namespace(agent))
+        return entry
+
+    def _namespace(self, agent: str) -> object:
+        return None if self._share_prefixes else agent
+
+    def others_busy(self, agent: str) -> bool:
+        """Whether another agent's turn is in the engine (it will free or release blocks
+        when it finishes). An agent between rounds of tool calls does not count: its
+        next round may wait on the very room a waiting turn wants, or its tool on that
+        turn, so waiting for it could wait forever."""
+        return any(e.busy for name, e in self.agents.items() if name != agent)
+
+    # -- a turn's life -----------------------------------------------------------------------
+
+    def commit(self, agent: str, blocks: AgentBlocks, *, hold: bool, saving: bool) -> None:
+        """``blocks`` become the agent's cache (see :class:`~..service._protocol.Commit`)."""
+        entry = self.entry(agent)
+        if hold and not entry.holding:
+            entry.holding, entry.kept = True, entry.blocks  # the turn's start, for undo
+        elif entry.blocks is not None and entry.blocks is not blocks:
+            self.pool.free(entry.blocks.blocks())  # (the same blocks: the hold ends)
+        if not hold:
+            if entry.kept is not None:
+                self.pool.free(entry.kept.blocks())
+            entry.holding, entry.kept = False, None
+        entry.blocks, entry.tokens = blocks, blocks.tokens
+        entry.last_used, entry.busy = time.perf_counter(), saving
+        if entry.stored:  # only the blocks it still holds can be referred to
+            entry.stored = {
+                b.id: entry.stored[b.id] for b in entry.blocks.blocks() if b.id in entry.stored
+            }
+
+    def undo(self, agent: str) -> None:
+        """After commits with ``hold``: the cache the turn started from is the agent's
+        again; the rounds' blocks are freed."""
+        entry = self.agents.get(agent)
+        if entry is None or not entry.holding:
+            return
+        if entry.blocks is not None:
+            self.pool.free(entry.blocks.blocks())
+        entry.blocks, entry.kept, entry.holding = entry.kept, None, False
+        entry.tokens = entry.blocks.tokens if entry.blocks is not None else ()
+        entry.busy = False
+        # Saved blocks the store holds are those of the cache the turn started from.
+        held = {b.id for b in entry.blocks.blocks()} if entry.blocks is not None else set()
+        entry.stored = {k: v for k, v in entry.stored.items() if k in held}
+
+    def release(self, agent: str, blocks: AgentBlocks) -> None:
+        """A finished turn the agent does not take: its blocks are freed."""
+        self.pool.free(blocks.blocks())
+        self.entry(agent).busy = False
+
+    def forget(self, agent: str) -> None:
+        """The agent is gone (or starts over): free every copy of its cache."""
+        self._kept.drop(agent)
+        entry = self.agents.pop(agent, None)
+        if entry is not None:
+            self._free(entry)
+
+    def adopt(self, agent: str, tokens: tuple[int, ...]) -> None:
+        """An agent whose cache is in the store (brought back from a state directory)."""
+        self.agents[agent] = CacheEntry(tokens=tokens, namespace=self._namespace(agent))
+
+    def fork(self, parent: str, child: str) -> tuple[CacheEntry, bool]:
+        """``child`` holds the parent's cache by reference; returns its record and
+        whether the parent's cache is out of the pool (then the child's is to be
+        copied from the parent's files)."""
+        source = self.entry(parent)
+        stale = self.agents.get(child)
+        if stale is not None:  # never leak what it held
+            self._free(stale)
+        if source.blocks is not None:
+            for block in source.blocks.blocks():
+                self.pool.share(block)
+        entry = self.agents[child] = CacheEntry(
+            tokens=source.tokens,
+            blocks=source.blocks,
+            last_used=time.perf_counter(),
+            namespace=source.namespace,
+        )
+        return entry, source.evicted
+
+    # -- the store -----------------------------------------------------------------------------
+
+    def snapshot(self, agent: str) -> CacheImage | None:
+        """The agent's cache, its blocks the store lacks copied to host memory, to be
+        saved (``None``: it has no blocks in the pool)."""
+        entry = self.agents.get(agent)
+        if entry is None or entry.blocks is None:
+            return None
+        return self._take_image(entry)
+
+    def stored(self, agent: str, refs: Mapping[int, str], serial: int) -> None:
+        """A snapshot is written: where each of its blocks now is."""
+        # Only the latest snapshot's files are sure to stay: a later save rewrites the
+        # blocks an earlier one wrote, and deletes the earlier chunks.
+        entry = self.agents.get(agent)
+        if self._persistent and entry is not None and entry.snapshot == serial:
+            held = {b.id for b in entry.blocks.blocks()} if entry.blocks is not None else ()
+            entry.stored.update((k, ref) for k, ref in refs.items() if k in held)
+
+    def _take_image(self, entry: CacheEntry, *, whole: bool = False) -> CacheImage:
+        assert entry.blocks is not None
+        self._serial += 1
+        entry.snapshot = self._serial
+        return take_image(entry.blocks, entry.stored, self._dtype, self._serial, whole=whole)
+
+    # -- room in the pool ----------------------------------------------------------------------
+
+    def make_room(self, agent: str) -> bool:
+        """Move one idle cache (not ``agent``'s) out of the pool; whether one moved."""
+        return self._evict_one(exclude=agent)
+
+    def with_room(self, agent: str, attempt: Callable[[], Any]) -> Any:
+        """Run ``attempt``; while the pool is short, move the least recently used idle
+        agent's cache out of it and try again."""
+        while True:
+            try:
+                return attempt()
+            except PoolExhaustedError as exc:
+                if not self._evict_one(exclude=agent):
+                    raise nothing_to_evict(exc) from None
+
+    def _evict_one(self, exclude: str) -> bool:
+        """Move the least recently used idle agent's cache out of the pool, among those
+        whose cache holds a block nobody else does; failing that, among those holding a
+        block that only idle agents hold (a parent and its fork: evicting them all frees
+        it). Evicting any other frees nothing."""
+        idle = {
+            name: entry
+            for name, entry in self.agents.items()
+            if entry.blocks is not None and not entry.busy_or_holding() and name != exclude
+        }
+        alone = [
+            (entry.last_used, name)
+            for name, entry in idle.items()
+            if entry.blocks is not None
+            and any(self.pool.references(b) == 1 for b in entry.blocks.blocks())
+        ]
+        name = min(alone)[1] if alone else self._evictable_together(idle)
+        if name is None:
+            return False
+        entry = self.agents[name]
+        assert entry.blocks is not None
+        started = time.perf_counter()
+        image = self._take_image(entry, whole=self._whole_evictions)
+        blocks = entry.blocks.num_blocks
+        self.pool.free(entry.blocks.blocks())
+        entry.blocks = None
+        self.evictions += 1
+        self._log.info(
+            "blocks.evicted",
+            agent=name,
+            blocks=blocks,
+            bytes=image.nbytes,
+            ms=round((time.perf_counter() - started) * 1e3, 2),
+            pool_used=self.pool.used_blocks,
+        )
+        self._on_evicted(name, image)
+        return True
+
+    def _evictable_together(self, idle: dict[str, CacheEntry]) -> str | None:
+        """The least recently used of the ``idle`` agents holding a block that no one
+        else holds (no turn, no other agent), if any."""
+        holders: collections.Counter[int] = collections.Counter()
+        blocks: dict[int, KVBlock] = {}
+        for entry in idle.values():
+            assert entry.blocks is not None
+            for block in entry.blocks.blocks():
+                holders[block.id] += 1
+                blocks[block.id] = block
+        freed = {i for i, n in holders.items() if self.pool.references(blocks[i]) == n}
+        candidates = [
+            (entry.last_used, name)
+            for name, entry in idle.items()
+            if entry.blocks is not None and any(b.id in freed for b in entry.blocks.blocks())
+        ]
+        return min(candidates)[1] if candidates else None
+
+    def restore(self, agent: str, image: CacheImage) -> None:
+        """Make the agent's evicted cache blocks of the pool again, from ``image``.
+
+        Raises:
+            CacheReconstructionError: the image does not hold the agent's cache.
+            PoolExhaustedError: the pool cannot hold it, even after evicting others.
+        """
+        entry = self.entry(agent)
+        started = time.perf_counter()
+        if image.tokens != entry.tokens:
+            raise CacheReconstructionError(
+                f"the saved cache of agent {agent!r} holds {len(image.tokens)} tokens that "
+                f"are not the {len(entry.tokens)} its index names"
+            )
+        blocks = make_blocks(
+            self.pool,
+            image,
+            lambda n: self.with_room(agent, lambda: self.pool.reserve(n)),
+            index=self._index,
+            namespace=entry.namespace,
+        )
+        entry.blocks = blocks
+        if self._persistent:
+            entry.stored = stored_ids(image, blocks)
+        self.restores += 1
+        self._log.info(
+            "blocks.restored",
+            agent=agent,
+            blocks=blocks.num_blocks,
+            bytes=image.nbytes,
+            ms=round((time.perf_counter() - started) * 1e3, 2),
+            pool_used=self.pool.used_blocks,
+        )
+
+    def drop(self, agent: str, blocks: int, why: str, **fields: Any) -> None:
+        """Forget the agent's cache, which the pool cannot hold beside its turn's new
+        blocks: the turn starts from the conversation (``blocks``: its size, for the
+        log)."""
+        entry = self.entry(agent)
+        self._free(entry)
+        entry.tokens, entry.stored = (), {}
+        self._log.info("blocks.dropped", agent=agent, blocks=blocks, reason=why, **fields)
+
+    def _free(self, entry: CacheEntry) -> None:
+        for blocks in (entry.blocks, entry.kept):
+            if blocks is not None:
+                self.pool.free(blocks.blocks())
+        entry.blocks = entry.kept = None
+        entry.holding = False
+
+    def free_all(self) -> set[int]:
+        """Free every agent's blocks (the runtime is closing); returns the ``id()`` of
+        each ``AgentBlocks`` freed, so that a command left over is not freed twice."""
+        freed = {id(b) for e in self.agents.values() for b in (e.blocks, e.kept) if b is not None}
+        for entry in self.agents.values():
+            self._free(entry)
+        return freed
+
+    def counts(self) -> dict[str, int]:
+        """What the scheduler's statistics say of the agents' caches."""
+        holders: dict[int, int] = {}
+        sizes: dict[int, int] = {}
+        resident = 0
+        for entry in self.agents.values():
+            if entry.blocks is not None:
+                resident += 1
+                for b in entry.blocks.blocks():
+                    holders[b.id] = holders.get(b.id, 0) + 1
+                    sizes[b.id] = self.pool.spec.layers[b.layer].block_bytes
+        return {
+            "resident_agents": resident,
+            "resident_blocks": len(holders),
+            "agent_blocks": sum(holders.values()),
+            "shared_bytes": sum((n - 1) * sizes[i] for i, n in holders.items()),
+            "shared_blocks": sum(1 for n in holders.values() if n > 1),
+            "agents_on_disk": sum(1 for e in self.agents.values() if e.evicted),
+            "evictions": self.evictions,
+            "restores": self.restores,
+        }
+
+
+def nothing_to_evict(exc: PoolExhaustedError, own: int = 0) -> PoolExhaustedError:
+    """``exc`` once nothing could be moved to disk; ``own``: the units of the turn's own
+    cache, which stays in the pool until the turn ends."""
+    mine = (
+        f" This agent's own cache holds {own} of the used ones: it stays until the turn "
+        "ends, beside the turn's new blocks. Every other cache"
+        if own
+        else " Every cache"
+    )
+    return PoolExhaustedError(
+        f"{exc}.{mine} left in the pool belongs to an agent with a turn in flight (or is "
+        "shared with one), so none could be moved to disk.",
+        needed=exc.needed,
+        free=exc.free,
+    )
