@@ -429,6 +429,46 @@ async def test_a_failed_eviction_write_lets_the_agent_start_over(
     assert "blocks.write_failed" in events
 
 
+async def test_a_cache_in_host_memory_comes_back_while_its_write_hangs_and_outlives_its_failure(
+    tiny: Loaded, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An evicted cache kept in host memory is the engine thread's to restore: its turn
+    # neither waits for the write nor loses the cache when that write fails later.
+    gate = threading.Event()
+
+    def failing_save(self: Any, agent: str, image: Any) -> None:
+        gate.wait(30)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_store.DiskCacheStore, "_save", failing_save)
+    trace = tmp_path / "run.jsonl"
+    # Seven blocks: two agents' caches (three each), or one and a turn (three more).
+    async with Runtime(
+        tiny_dir, pool_blocks=7, host_bytes=1 << 24, log_level="off", trace=trace
+    ) as rt:
+        ann, bob, cy = [await rt.spawn(name, max_tokens=4) for name in ("ann", "bob", "cy")]
+        await ann.ask("Hi")
+        await bob.ask("Hello")
+        await cy.ask("Hey")  # ann's cache goes to host memory; its write hangs
+        assert ann.statistics().on_disk
+        again = await ann.ask("Again?")  # bob's and cy's go out in turn
+        assert not gate.is_set()  # the write still hangs: the cache came from memory
+        assert again.usage.cached_tokens == again.usage.reusable_tokens > 0
+        prompt = render(tiny.tokenizer, ann.history[:-1])
+        stop = tiny.tokenizer.eos_token_ids
+        assert list(again.tokens) == reference(tiny.model, prompt, 4, stop=stop)
+        gate.set()
+        await rt.flush()  # the three writes failed
+        last = await ann.ask("And now?")  # ann's cache outlived the failure
+        assert last.usage.cached_tokens == last.usage.reusable_tokens > 0
+        hello = await bob.ask("Still there?")  # bob's was out when its write failed
+        assert hello.usage.reusable_tokens == 0 and not bob.statistics().on_disk
+        stats = await rt.stats()
+        assert stats.memory_restores == 1 and stats.pool.used_blocks == stats.resident_blocks
+    events = [json.loads(line)["event"] for line in trace.read_text().splitlines()]
+    assert events.count("blocks.write_failed") == 3
+
+
 CHILD = textwrap.dedent(
     """
     import os, sys, time, anyio

@@ -3,9 +3,10 @@
 When the pool runs short, an idle agent's cache leaves it as a :class:`CacheImage` (host
 memory) and is written to the store. :class:`HostCaches` also keeps the newest of those
 images, up to a budget of bytes, so that the agent's next turn takes its cache back
-from memory: no file read, no checksum. The disk copy stays the one that counts: an
-image is kept only once its write succeeded, and dropped when the agent is restored,
-forgotten or pushed out by newer ones (least recently evicted first).
+from memory: no file read, no checksum, and no trip to the event loop. An image is
+dropped when the agent is restored, forgotten, or its write fails, or when newer ones
+push it out (least recently evicted first). Engine thread only (the
+:class:`~._manager.CacheManager` owns it).
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ class HostCaches:
         while self.nbytes > self.budget:
             self.drop(next(iter(self._images)))
 
-    def take(self, agent: str) -> CacheImage | None:
-        """``agent``'s kept image, no longer kept (``None`` if there is none)."""
-        image = self._images.get(agent)
-        if image is not None:
-            self.drop(agent)
+    def get(self, agent: str) -> CacheImage | None:
+        """``agent``'s kept image (``None`` if there is none)."""
+        return self._images.get(agent)
+
+    def taken(self, agent: str, image: CacheImage) -> None:
+        """``agent``'s cache is back in the pool, from ``image``: drop what is kept of it
+        (counting a restore from memory if ``image`` is the one kept)."""
+        if self._images.get(agent) is image:
             self.hits += 1
-        return image
+        self.drop(agent)
 
     def drop(self, agent: str) -> None:
         if self._images.pop(agent, None) is not None:

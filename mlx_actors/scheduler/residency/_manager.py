@@ -2,10 +2,12 @@
 
 An agent's cache is in the pool (its blocks), on the device as a copy of those blocks
 kept for a lone turn (the engine's :class:`KeptCaches`, which this manager forgets for
-it), or out of the pool (evicted: taken as a :class:`CacheImage` for host memory and
-disk). :class:`CacheManager` keeps one record per agent and is the only code that
+it), or out of the pool (evicted: taken as a :class:`CacheImage`, kept in host memory
+by :class:`HostCaches` while the budget allows, and written to the store by the event
+loop). :class:`CacheManager` keeps one record per agent and is the only code that
 changes it: a turn's commit, hold and undo, a dropped result, a fork, a save's snapshot,
-choosing what to evict when the pool runs short, and making blocks again from an image.
+choosing what to evict when the pool runs short, and making blocks again from an image
+(from host memory here, or read back from the store and handed in).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ...errors import CacheReconstructionError, PoolExhaustedError
 from ..engine._solo import KeptCaches
 from ..kv._pool import AgentBlocks, BlockPool, KVBlock
 from ..kv._prefix import PrefixIndex
+from ._host import HostCaches
 from ._image import CacheImage, make_blocks, stored_ids, take_image
 
 
@@ -60,8 +63,8 @@ class CacheManager:
     """Every agent's cache record, and every change to it (engine thread only).
 
     ``on_evicted(agent, image)`` is called with each cache moved out of the pool (the
-    caller writes it to the store). ``whole_evictions``: evicted images carry every
-    block's arrays (for the host tier), not only those the store lacks.
+    caller writes it to the store). While ``host`` has a budget, evicted images carry
+    every block's arrays and are kept there too, not only the blocks the store lacks.
     """
 
     def __init__(
@@ -69,21 +72,21 @@ class CacheManager:
         pool: BlockPool,
         index: PrefixIndex,
         kept: KeptCaches,
+        host: HostCaches,
         *,
         log: Any,
         on_evicted: Callable[[str, CacheImage], None],
         share_prefixes: bool,
         persistent_store: bool,
-        whole_evictions: bool = False,
     ) -> None:
         self.pool = pool
         self._index = index
         self._kept = kept
+        self.host = host
         self._log = log
         self._on_evicted = on_evicted
         self._share_prefixes = share_prefixes
         self._persistent = persistent_store
-        self._whole_evictions = whole_evictions
         self._dtype = pool.spec.layers[0].stored_dtype
         self.agents: dict[str, CacheEntry] = {}
         self.evictions = self.restores = 0
@@ -149,6 +152,7 @@ class CacheManager:
     def forget(self, agent: str) -> None:
         """The agent is gone (or starts over): free every copy of its cache."""
         self._kept.drop(agent)
+        self.host.drop(agent)
         entry = self.agents.pop(agent, None)
         if entry is not None:
             self._free(entry)
@@ -239,7 +243,7 @@ class CacheManager:
         entry = self.agents[name]
         assert entry.blocks is not None
         started = time.perf_counter()
-        image = self._take_image(entry, whole=self._whole_evictions)
+        image = self._take_image(entry, whole=self.host.budget > 0)
         blocks = entry.blocks.num_blocks
         self.pool.free(entry.blocks.blocks())
         entry.blocks = None
@@ -252,6 +256,7 @@ class CacheManager:
             ms=round((time.perf_counter() - started) * 1e3, 2),
             pool_used=self.pool.used_blocks,
         )
+        self.host.keep(name, image)
         self._on_evicted(name, image)
         return True
 
@@ -273,8 +278,13 @@ class CacheManager:
         ]
         return min(candidates)[1] if candidates else None
 
+    def in_host(self, agent: str) -> CacheImage | None:
+        """The agent's evicted cache, if host memory still holds it."""
+        return self.host.get(agent)
+
     def restore(self, agent: str, image: CacheImage) -> None:
-        """Make the agent's evicted cache blocks of the pool again, from ``image``.
+        """Make the agent's evicted cache blocks of the pool again, from ``image`` (read
+        back from the store, or :meth:`in_host`).
 
         Raises:
             CacheReconstructionError: the image does not hold the agent's cache.
@@ -282,6 +292,8 @@ class CacheManager:
         """
         entry = self.entry(agent)
         started = time.perf_counter()
+        if self.host.get(agent) is image:
+            self._log.debug("blocks.read", agent=agent, bytes=image.nbytes, source="memory")
         if image.tokens != entry.tokens:
             raise CacheReconstructionError(
                 f"the saved cache of agent {agent!r} holds {len(image.tokens)} tokens that "
@@ -298,6 +310,7 @@ class CacheManager:
         if self._persistent:
             entry.stored = stored_ids(image, blocks)
         self.restores += 1
+        self.host.taken(agent, image)
         self._log.info(
             "blocks.restored",
             agent=agent,
@@ -311,10 +324,23 @@ class CacheManager:
         """Forget the agent's cache, which the pool cannot hold beside its turn's new
         blocks: the turn starts from the conversation (``blocks``: its size, for the
         log)."""
+        self.lose(agent)
+        self._log.info("blocks.dropped", agent=agent, blocks=blocks, reason=why, **fields)
+
+    def lose(self, agent: str) -> None:
+        """Forget the agent's cache (it cannot be used): its next turn starts from its
+        conversation."""
         entry = self.entry(agent)
         self._free(entry)
+        self.host.drop(agent)
         entry.tokens, entry.stored = (), {}
-        self._log.info("blocks.dropped", agent=agent, blocks=blocks, reason=why, **fields)
+
+    def write_failed(self, agent: str, serial: int) -> None:
+        """The store could not write the snapshot ``serial`` of the agent's cache: if it
+        was evicted with it, and is still out of the pool, it is lost."""
+        entry = self.agents.get(agent)
+        if entry is not None and entry.evicted and entry.snapshot == serial:
+            self.lose(agent)
 
     def _free(self, entry: CacheEntry) -> None:
         for blocks in (entry.blocks, entry.kept):
@@ -351,6 +377,8 @@ class CacheManager:
             "agents_on_disk": sum(1 for e in self.agents.values() if e.evicted),
             "evictions": self.evictions,
             "restores": self.restores,
+            "memory_restores": self.host.hits,
+            "host_bytes": self.host.nbytes,
         }
 
 

@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
-import attrs
 import mlx.core as mx
 import structlog
 from anyio.abc import TaskGroup
@@ -59,6 +58,7 @@ from ._protocol import (
     Submit,
     Turn,
     Undo,
+    WriteFailed,
 )
 
 Loader = Callable[[], tuple[Any, Any]]
@@ -120,11 +120,12 @@ class Scheduler:
         #: Turns asked whose agents have not yet sent them (read by the engine thread;
         #: changed only on the event loop).
         self._coming = 0
-        self._on_disk: set[str] = set()
+        #: Agents whose cache is out of the pool, as the engine thread said (each with
+        #: the snapshot that evicted it; 0: one the store held already).
+        self._on_disk: dict[str, int] = {}
         #: Evicted caches also kept in memory (its budget is set when the pool is made:
         #: ``host_bytes``, or half the pool's bytes).
         self._host_bytes = host_bytes
-        self._host = HostCaches(0)
         self.model: Any = None
         self.tokenizer: Any = None
         self.spec: ModelCacheSpec | None = None
@@ -220,17 +221,13 @@ class Scheduler:
         :meth:`release` the result's blocks. ``sent`` is called once the turn is queued
         (an announced turn: :meth:`announce`).
 
-        If the agent's cache is on disk, it is read back (on a worker thread) first. If
+        If the agent's cache is out of the pool and not in host memory, the engine
+        thread asks for it and it is read back from the store (on a worker thread). If
         the caller is cancelled, the turn is removed from the batch and its blocks freed
         before this returns.
         """
         self._log.debug("turn.queued", agent=turn.agent, turn=turn.id, tokens=len(turn.tokens))
         image: CacheImage | None = None
-        if turn.agent in self._on_disk:  # bring the cache back before the engine asks
-            if sent is not None:
-                sent()  # not coming soon: the engine need not wait for it
-                sent = None
-            image = await self._read(turn.agent)
         while True:
             self._put(Submit(turn, image))
             if sent is not None:
@@ -279,7 +276,7 @@ class Scheduler:
 
     def adopt(self, agent: str, tokens: tuple[int, ...]) -> None:
         """Register an agent whose cache is in the store (brought back from disk)."""
-        self._on_disk.add(agent)
+        self._on_disk[agent] = 0
         self._put(Adopt(agent, tokens))
 
     async def save(self, agent: str) -> None:
@@ -329,15 +326,14 @@ class Scheduler:
                 except Exception:
                     self._put(Forget(child))  # the child starts from its conversation
                     raise
-                self._on_disk.add(child)
+                self._on_disk[child] = 0
 
             await self._disk(child, copy).wait()
 
     async def forget(self, agent: str, *, drop: bool) -> None:
         """Free the agent's cache; with ``drop``, delete it from the store as well."""
         self._put(Forget(agent))
-        self._on_disk.discard(agent)
-        self._host.drop(agent)
+        self._on_disk.pop(agent, None)
         if drop:
             await self._disk(agent, lambda: self._store.drop(agent)).wait()
 
@@ -348,9 +344,7 @@ class Scheduler:
     async def statistics(self) -> SchedulerStatistics:
         """A consistent snapshot, taken on the engine thread after every earlier command."""
         if self._final is not None:
-            return attrs.evolve(
-                self._final, memory_restores=self._host.hits, host_bytes=self._host.nbytes
-            )
+            return self._final
         answer: list[SchedulerStatistics] = []
         ready = anyio.Event()
 
@@ -360,9 +354,7 @@ class Scheduler:
 
         self._put(Query(reply))
         await ready.wait()
-        return attrs.evolve(
-            answer[0], memory_restores=self._host.hits, host_bytes=self._host.nbytes
-        )
+        return answer[0]
 
     async def idle_disk(self) -> None:
         """Wait until every disk operation asked for so far is done."""
@@ -399,10 +391,6 @@ class Scheduler:
         if agent not in self._on_disk:  # the write that evicted it failed
             return None
         started = time.perf_counter()
-        image = self._host.take(agent)
-        if image is not None:
-            self._log.debug("blocks.read", agent=agent, bytes=image.nbytes, source="memory")
-            return image
         try:
             image = await self._store.load(agent)
         except MlxActorsError as exc:
@@ -433,14 +421,14 @@ class Scheduler:
     async def _write_evicted(self, agent: str, image: CacheImage) -> None:
         try:
             await self._write(agent, image)
-            if agent in self._on_disk:  # not forgotten meanwhile
-                self._host.keep(agent, image)
         except Exception as exc:
             # The cache is gone, not corrupt: the agent's next turn starts again from
-            # its conversation rather than failing.
+            # its conversation rather than failing (unless it is back in the pool
+            # from host memory: the engine thread knows).
             self._log.error("blocks.write_failed", agent=agent, error=repr(exc))
-            self._put(Forget(agent))
-            self._on_disk.discard(agent)
+            self._put(WriteFailed(agent, image.serial))
+            if self._on_disk.get(agent) == image.serial:
+                del self._on_disk[agent]
 
     # -- deliveries --------------------------------------------------------------------------
 
@@ -494,13 +482,12 @@ class Scheduler:
                 turn.needs_restore = True
                 turn.settled.set()
             case Evicted(agent, image):
-                self._on_disk.add(agent)
+                self._on_disk[agent] = image.serial
                 self._disk(agent, functools.partial(self._write_evicted, agent, image))
             case RestoreFailed(turn, error):
                 self._lost(turn, error)
             case Restored(agent):
-                self._on_disk.discard(agent)
-                self._host.drop(agent)
+                self._on_disk.pop(agent, None)
                 if not self._store.persistent:  # a swap area keeps only what is out
                     self._disk(agent, functools.partial(self._store.drop, agent))
             case SaveReady(command, image):
@@ -515,8 +502,7 @@ class Scheduler:
         and fail the turn (the agent's next turn starts from its conversation)."""
         agent = turn.agent
         self._log.error("blocks.lost", agent=agent, error=str(error))
-        self._on_disk.discard(agent)
-        self._host.drop(agent)
+        self._on_disk.pop(agent, None)
         self._disk(agent, functools.partial(self._store.drop, agent))
         self._fail(
             turn,
@@ -550,18 +536,18 @@ class Scheduler:
             budget = self._pool_bytes or 1 << 30
             pool = BlockPool.from_bytes(spec, budget, on_release=index.detach)
         host = self._host_bytes
-        self._host.budget = pool.budget_bytes // 2 if host is None else host
+        host_caches = HostCaches(pool.budget_bytes // 2 if host is None else host)
         kept = kept_for(pool)
         outbox: Outbox = []
         caches = CacheManager(
             pool,
             index,
             kept,
+            host_caches,
             log=self._log,
             on_evicted=lambda agent, image: outbox.append(Evicted(agent, image)),
             share_prefixes=self._share_prefixes,
             persistent_store=self._store.persistent,
-            whole_evictions=self._host.budget > 0,
         )
         engine = BlockPoolBatchEngine(
             model,

@@ -38,6 +38,7 @@ from ._protocol import (
     Submit,
     Turn,
     Undo,
+    WriteFailed,
 )
 
 #: One step's events for the event loop, in order.
@@ -153,6 +154,8 @@ class EngineLoop:
             self.outbox.append(events.SaveReady(command, self.caches.snapshot(command.agent)))
         elif isinstance(command, Stored):
             self.caches.stored(command.agent, command.refs, command.serial)
+        elif isinstance(command, WriteFailed):
+            self.caches.write_failed(command.agent, command.serial)
         elif isinstance(command, Forget):
             self.caches.forget(command.agent)
         elif isinstance(command, Adopt):
@@ -207,6 +210,7 @@ class EngineLoop:
         entry = self.caches.entry(turn.agent)
         try:
             if entry.evicted:
+                image = image or self.caches.in_host(turn.agent)
                 if image is None:  # on disk: the event loop reads it, then sends it back
                     self.outbox.append(events.NeedsRestore(turn))
                     return None
@@ -216,7 +220,7 @@ class EngineLoop:
                 except CacheReconstructionError as exc:
                     # A cache that does not fit is never used: the agent starts over
                     # from its conversation, and the event loop deletes the files.
-                    entry.tokens = ()
+                    self.caches.lose(turn.agent)
                     self.outbox.append(events.RestoreFailed(turn, exc))
                     return None
                 except PoolExhaustedError:

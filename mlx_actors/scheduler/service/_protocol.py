@@ -164,6 +164,16 @@ class Stored:
 
 
 @attrs.frozen
+class WriteFailed:
+    """The store could not write the snapshot ``serial`` that evicted the agent's cache:
+    the cache is lost if it is still out of the pool (its next turn starts from its
+    conversation)."""
+
+    agent: str
+    serial: int
+
+
+@attrs.frozen
 class Forget:
     agent: str
 
