@@ -388,9 +388,8 @@ async def test_a_cache_that_does_not_fit_is_an_error_then_the_agent_starts_over(
     assert json.loads(where.read_text())["dtype"] != index["dtype"]  # saved afresh
 
 
-async def test_a_failed_eviction_write_lets_the_agent_start_over(
-    tiny: Loaded, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def writes_fail_once_open(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every cache write waits for the gate returned (30 s at most), then fails."""
     gate = threading.Event()
 
     def failing_save(self: Any, agent: str, image: Any) -> None:
@@ -398,6 +397,13 @@ async def test_a_failed_eviction_write_lets_the_agent_start_over(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(_store.DiskCacheStore, "_save", failing_save)
+    return gate
+
+
+async def test_a_failed_eviction_write_lets_the_agent_start_over(
+    tiny: Loaded, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = writes_fail_once_open(monkeypatch)
     trace = tmp_path / "run.jsonl"
     # Five blocks: one agent's cache (three) and not quite room for another turn.
     async with Runtime(tiny_dir, pool_blocks=5, log_level="off", trace=trace) as rt:
@@ -434,13 +440,7 @@ async def test_a_cache_in_host_memory_comes_back_while_its_write_hangs_and_outli
 ) -> None:
     # An evicted cache kept in host memory is the engine thread's to restore: its turn
     # neither waits for the write nor loses the cache when that write fails later.
-    gate = threading.Event()
-
-    def failing_save(self: Any, agent: str, image: Any) -> None:
-        gate.wait(30)
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(_store.DiskCacheStore, "_save", failing_save)
+    gate = writes_fail_once_open(monkeypatch)
     trace = tmp_path / "run.jsonl"
     # Seven blocks: two agents' caches (three each), or one and a turn (three more).
     async with Runtime(
