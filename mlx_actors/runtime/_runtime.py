@@ -13,7 +13,6 @@ from types import MappingProxyType, TracebackType
 from typing import Any
 
 import anyio
-import attrs
 from anyio.abc import TaskGroup
 from typing_extensions import Unpack
 
@@ -39,55 +38,12 @@ from ..errors import (
     StateWriteError,
     UnknownAgentError,
 )
-from ..scheduler import KVQuantization, PoolStatistics, Scheduler
+from ..scheduler import KVQuantization, Scheduler
 from ._models import check_model, load_model
 from ._state import AgentRecord, StateDir
+from ._statistics import RuntimeStatistics
 from ._store import DiskCacheStore
 from ._trace import Trace, logging_to
-
-
-@attrs.frozen(kw_only=True)
-class RuntimeStatistics:
-    """What a runtime has done, read on its engine thread."""
-
-    #: The block pool now.
-    pool: PoolStatistics
-    #: Engine steps run (each advances every running sequence by one token).
-    batches: int
-    #: Largest number of sequences decoded in one step.
-    max_batch_size: int
-    #: Prompt tokens run through the model.
-    prefill_tokens: int
-    #: Tokens generated.
-    generated_tokens: int
-    #: History tokens reused from caches instead of prefilled again.
-    cached_tokens: int
-    #: Turns finished.
-    turns: int
-    #: Turns queued or running now.
-    turns_in_flight: int
-    #: Live agents.
-    agents: int
-    #: Agents whose cache is in the pool.
-    resident_agents: int
-    #: Distinct blocks those agents hold (a block several agents share counts once).
-    resident_blocks: int
-    #: Of those, blocks held by more than one agent.
-    shared_blocks: int
-    #: Bytes that sharing saves: what the agents' blocks would take if none were
-    #: shared, less what they take.
-    shared_bytes: int
-    #: History tokens taken from blocks other agents' turns computed.
-    shared_tokens: int
-    #: Agents whose cache was moved to disk to make room.
-    agents_on_disk: int
-    #: Caches moved to disk, and brought back, so far.
-    evictions: int
-    restores: int
-    #: Of ``restores``, those taken from host memory (``host_bytes``), not the files.
-    memory_restores: int = 0
-    #: Bytes of evicted caches kept in host memory now (at most ``host_bytes``).
-    host_bytes: int = 0
 
 
 def _default_pool_bytes() -> int:
