@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import MappingProxyType, TracebackType
+from types import TracebackType
 from typing import Any
 
 import anyio
@@ -22,10 +22,6 @@ from ..actors import (
     Tool,
     TurnOptions,
     TurnSettings,
-    as_tools,
-    check_name,
-    check_text,
-    check_tool_choice,
     running_here,
 )
 from ..errors import (
@@ -36,10 +32,10 @@ from ..errors import (
     ModelMismatchError,
     RuntimeClosedError,
     StateWriteError,
-    UnknownAgentError,
 )
 from ..scheduler import KVQuantization, Scheduler
 from ._models import check_model, load_model
+from ._registry import Registry, check_spawn
 from ._state import AgentRecord, StateDir
 from ._statistics import RuntimeStatistics
 from ._store import DiskCacheStore
@@ -179,14 +175,10 @@ class Runtime:
             share_prefixes=bool(share_prefixes),
             kv_quantization=self._kv,
         )
-        self._agents: dict[str, Agent] = {}
-        #: Names of agents being made (a fork), not yet in ``_agents``.
-        self._claimed: set[str] = set()
+        self._registry = Registry(check_running=self._check_running, log=self.log)
         self._keeping: dict[str, anyio.Lock] = {}
         #: How many saves read each agent (see :meth:`writes`).
         self._writes: collections.Counter[str] = collections.Counter()
-        #: Names (case-folded) of agents being closed: taken until their files are gone.
-        self._closing: dict[str, anyio.Event] = {}
         #: Every agent not closed by its user, live or stopped: what leaving keeps (and
         #: the only agents whose files are written).
         self._kept: dict[str, Agent] = {}
@@ -252,7 +244,9 @@ class Runtime:
             finally:
                 self._cleanup()
             raise
-        self.log.info("runtime.started", model=str(self.model_path), agents=len(self._agents))
+        self.log.info(
+            "runtime.started", model=str(self.model_path), agents=len(self._registry.agents)
+        )
         return self
 
     async def _resume(self) -> None:
@@ -320,7 +314,7 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        agents = list(self._agents.values())
+        agents = list(self._registry.agents.values())
         error = RuntimeClosedError("the runtime shut down before the turn finished")
         inside = running_here()
         # Stopping the agents a tool here runs for cancels this very code: finish anyway.
@@ -357,7 +351,7 @@ class Runtime:
                     failures.append(exc)
 
             async with anyio.create_task_group() as tg:
-                for agent in list(self._agents.values()):
+                for agent in list(self._registry.agents.values()):
                     tg.start_soon(keep, agent)
         await self._scheduler.idle_disk()
         if failures:
@@ -440,7 +434,7 @@ class Runtime:
             StateWriteError: it could not be saved (it stays live here).
         """
         state = self._need_state("detach")
-        agent = self.agent(name)
+        agent = self._registry.agent(name)
         await self._keep(agent)
         async with self._keeping.setdefault(name, anyio.Lock()):
             if self._kept.get(name) is agent:
@@ -459,14 +453,14 @@ class Runtime:
             UnknownAgentError: the state directory holds no agent called ``name``.
         """
         state = self._need_state("reattach")
-        if name in self._agents:
+        if name in self._registry.agents:
             raise InvalidRequestError(f"agent {name!r} is live here")
         return await self._resume_one(await anyio.to_thread.run_sync(state.record, name))
 
     async def forget_detached(self, name: str) -> None:
         """Delete what the state directory kept of an agent :meth:`detach` stopped."""
         state = self._need_state("forget_detached")
-        if name in self._agents:
+        if name in self._registry.agents:
             raise InvalidRequestError(f"agent {name!r} is live here: close() it instead")
         await self._scheduler.forget(name, drop=True)
         await state.delete(name)
@@ -491,29 +485,26 @@ class Runtime:
                 f"{other.path} was written by another model or kv setting than {state.path}"
             )
         record = await anyio.to_thread.run_sync(other.record, name)
-        await self._name_free(name)
-        self.check_new_name(name)
-        self._claimed.add(name)
-        try:
-            tokens: tuple[int, ...] = ()
-            blocks = 0
+        await self._registry.check_free(name)
+        with self._registry.claim(name):
             try:
-                image = await other.caches().load(name)
-            except MlxActorsError as exc:  # the conversation comes; the cache does not
-                self.log.error("blocks.lost", agent=name, error=str(exc))
-            else:
-                await self._store.save(name, image)
-                tokens, blocks = image.tokens, image.num_blocks
-                self._scheduler.adopt(name, tokens)
-            await state.save(record)
-            agent = await self._start_saved(record, tokens, blocks)
-        except BaseException:
-            with anyio.CancelScope(shield=True):  # no half-adopted copy is left here
-                await self._scheduler.forget(name, drop=True)
-                await state.delete(name)
-            raise
-        finally:
-            self._claimed.discard(name)
+                tokens: tuple[int, ...] = ()
+                blocks = 0
+                try:
+                    image = await other.caches().load(name)
+                except MlxActorsError as exc:  # the conversation comes; the cache does not
+                    self.log.error("blocks.lost", agent=name, error=str(exc))
+                else:
+                    await self._store.save(name, image)
+                    tokens, blocks = image.tokens, image.num_blocks
+                    self._scheduler.adopt(name, tokens)
+                await state.save(record)
+                agent = await self._start_saved(record, tokens, blocks)
+            except BaseException:
+                with anyio.CancelScope(shield=True):  # no half-adopted copy is left here
+                    await self._scheduler.forget(name, drop=True)
+                    await state.delete(name)
+                raise
         self.log.info("agent.adopted", agent=name, source=str(other.path))
         return agent
 
@@ -527,7 +518,7 @@ class Runtime:
         """The agents' keeper: ``agent.close()`` began; its name stays taken until
         :meth:`closed`, so that a new agent of that name waits for the old one's files
         to be gone."""
-        self._closing.setdefault(agent.name.casefold(), anyio.Event())
+        self._registry.closing(agent)
 
     async def closed(self, agent: Agent) -> None:
         """The agents' keeper: a closed agent is forgotten by the state directory."""
@@ -542,14 +533,7 @@ class Runtime:
             elif self._kept.get(agent.name) is agent:
                 del self._kept[agent.name]
         finally:
-            done = self._closing.pop(agent.name.casefold(), None)
-            if done is not None:
-                done.set()
-
-    async def _name_free(self, name: str) -> None:
-        """Wait until no agent called ``name`` is being closed."""
-        while (closing := self._closing.get(str(name).casefold())) is not None:
-            await closing.wait()
+            self._registry.closed(agent)
 
     # -- agents ---------------------------------------------------------------------------
 
@@ -582,19 +566,16 @@ class Runtime:
                 each ``ask`` can override them. The defaults decode greedily.
         """
         self._check_running()
-        check_name(name)
-        if system is not None and system != "":
-            check_text("system", system, self._scheduler.max_text_chars)
-        if mailbox_size is not None and (
-            isinstance(mailbox_size, bool) or not isinstance(mailbox_size, int) or mailbox_size <= 0
-        ):
-            raise InvalidRequestError(f"mailbox_size must be a positive int, got {mailbox_size!r}")
-        options = TurnOptions().override(**settings)
-        agent_tools = as_tools(tools)
-        check_tool_choice(options.tool_choice, agent_tools)
-        seeded = [self._seed_message(m) for m in history]
-        await self._name_free(name)
-        self.check_new_name(name)
+        options, agent_tools, seeded = check_spawn(
+            name,
+            system=system,
+            mailbox_size=mailbox_size,
+            tools=tools,
+            history=history,
+            settings=settings,
+            limit=self._scheduler.max_text_chars,
+        )
+        await self._registry.check_free(name)
         agent = await self._start_agent(
             name,
             system=system or None,
@@ -606,21 +587,6 @@ class Runtime:
         await self._first_save(agent)
         self.log.info("agent.spawned", agent=name)
         return agent
-
-    def _seed_message(self, message: Message | Mapping[str, str]) -> Message:
-        if isinstance(message, Message):
-            role, content = message.role, message.content
-        elif isinstance(message, Mapping) and set(message) == {"role", "content"}:
-            role, content = message["role"], message["content"]
-        else:
-            raise InvalidRequestError(
-                f"history takes Messages or {{'role': ..., 'content': ...}}, got {message!r}"
-            )
-        if role not in ("user", "assistant"):
-            raise InvalidRequestError(f"history roles are 'user' or 'assistant', got {role!r}")
-        # A model's reply may be empty or only whitespace; a user's text may not.
-        limit, blank = self._scheduler.max_text_chars, role == "assistant"
-        return Message(role=role, content=check_text("content", content, limit, blank=blank))
 
     async def _first_save(self, agent: Agent) -> None:
         """Save a new agent (``persist="turn"``); if that fails, it never existed."""
@@ -640,22 +606,14 @@ class Runtime:
 
     def check_new_name(self, name: str) -> None:
         """Raise unless a new agent may be called ``name`` (the agents' keeper)."""
-        self._check_running()
-        check_name(name)
-        for other in [*self._agents, *self._claimed]:
-            if other.casefold() == name.casefold():
-                raise InvalidRequestError(
-                    f"an agent named {other!r} already exists (names ignore case: they name files)"
-                )
+        self._registry.check_new_name(name)
 
     async def fork(
         self, parent: Agent, name: str, options: TurnOptions, mailbox_size: int | None
     ) -> Agent:
         """The agents' keeper: start ``name`` with ``parent``'s conversation and cache."""
-        await self._name_free(name)
-        self.check_new_name(name)
-        self._claimed.add(name)  # taken from now on: the fork awaits the engine thread
-        try:
+        await self._registry.check_free(name)
+        with self._registry.claim(name):  # taken from now on: the fork awaits the engine thread
             await self._scheduler.fork(parent.name, name)
             stats = parent.statistics()
             try:
@@ -673,8 +631,6 @@ class Runtime:
                 with anyio.CancelScope(shield=True):
                     await self._scheduler.forget(name, drop=True)
                 raise
-        finally:
-            self._claimed.discard(name)
         await self._first_save(agent)
         return agent
 
@@ -705,25 +661,20 @@ class Runtime:
             self._scheduler,
             mailbox_size=mailbox_size or self._mailbox_size,
             log=self.log,
-            on_stopped=self._forget,
+            on_stopped=self._registry.stopped,
             keeper=self,
             **kwargs,
         )
-        self._agents[name] = self._kept[name] = agent
+        self._registry.add(agent)
+        self._kept[name] = agent
         try:
             await self._tg.start(agent.serve)
         except BaseException:
             if self._kept.get(name) is agent:
                 del self._kept[name]
-            if self._agents.get(name) is agent:
-                del self._agents[name]
+            self._registry.remove(agent)
             raise
         return agent
-
-    def _forget(self, agent: Agent) -> None:
-        if self._agents.get(agent.name) is agent:
-            del self._agents[agent.name]
-            self.log.info("agent.closed", agent=agent.name)
 
     @property
     def share_prefixes(self) -> bool:
@@ -754,14 +705,11 @@ class Runtime:
     @property
     def agents(self) -> Mapping[str, Agent]:
         """The live agents by name (a read-only view)."""
-        return MappingProxyType(self._agents)
+        return self._registry.agents
 
     def agent(self, name: str) -> Agent:
         """The live agent called ``name`` (raises :class:`UnknownAgentError`)."""
-        try:
-            return self._agents[name]
-        except KeyError:
-            raise UnknownAgentError(f"no live agent is called {name!r}") from None
+        return self._registry.agent(name)
 
     async def stats(self) -> RuntimeStatistics:
         """Pool usage, batches run, tokens prefilled, generated and reused: a snapshot
@@ -776,7 +724,7 @@ class Runtime:
             cached_tokens=s.engine.cached_tokens,
             turns=s.engine.completed,
             turns_in_flight=s.turns_in_flight,
-            agents=len(self._agents),
+            agents=len(self._registry.agents),
             resident_agents=s.resident_agents,
             resident_blocks=s.resident_blocks,
             shared_blocks=s.shared_blocks,
