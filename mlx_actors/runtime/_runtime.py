@@ -24,7 +24,7 @@ from ._keeping import AgentKeeper
 from ._models import check_model, load_model
 from ._registry import Registry, check_spawn
 from ._state import StateDir
-from ._statistics import RuntimeStatistics
+from ._statistics import RuntimeStatistics, runtime_statistics
 from ._store import DiskCacheStore
 from ._trace import Trace, logging_to
 
@@ -449,25 +449,6 @@ class Runtime:
     async def stats(self) -> RuntimeStatistics:
         """Pool usage, batches run, tokens prefilled, generated and reused: a snapshot
         taken on the engine thread after everything sent before this call."""
-        s = await self._scheduler.statistics()
-        return RuntimeStatistics(
-            pool=s.pool,
-            batches=s.engine.steps,
-            max_batch_size=s.engine.max_decode_batch,
-            prefill_tokens=s.engine.prefill_tokens,
-            generated_tokens=s.engine.generated_tokens,
-            cached_tokens=s.engine.cached_tokens,
-            turns=s.engine.completed,
-            turns_in_flight=s.turns_in_flight,
-            agents=len(self._registry.agents),
-            resident_agents=s.resident_agents,
-            resident_blocks=s.resident_blocks,
-            shared_blocks=s.shared_blocks,
-            shared_bytes=s.shared_bytes,
-            shared_tokens=s.engine.shared_tokens,
-            agents_on_disk=s.agents_on_disk,
-            evictions=s.evictions,
-            restores=s.restores,
-            memory_restores=s.memory_restores,
-            host_bytes=s.host_bytes,
+        return runtime_statistics(
+            await self._scheduler.statistics(), agents=len(self._registry.agents)
         )

@@ -1,10 +1,11 @@
-"""RuntimeStatistics: what a runtime has done, as :meth:`Runtime.stats` reports it."""
+"""RuntimeStatistics: what a runtime has done, as :meth:`Runtime.stats` reports it, read
+from its scheduler's statistics."""
 
 from __future__ import annotations
 
 import attrs
 
-from ..scheduler import PoolStatistics
+from ..scheduler import PoolStatistics, SchedulerStatistics
 
 
 @attrs.frozen(kw_only=True)
@@ -49,3 +50,28 @@ class RuntimeStatistics:
     memory_restores: int = 0
     #: Bytes of evicted caches kept in host memory now (at most ``host_bytes``).
     host_bytes: int = 0
+
+
+def runtime_statistics(s: SchedulerStatistics, *, agents: int) -> RuntimeStatistics:
+    """A runtime's statistics from its scheduler's, with its count of live ``agents``."""
+    return RuntimeStatistics(
+        pool=s.pool,
+        batches=s.engine.steps,
+        max_batch_size=s.engine.max_decode_batch,
+        prefill_tokens=s.engine.prefill_tokens,
+        generated_tokens=s.engine.generated_tokens,
+        cached_tokens=s.engine.cached_tokens,
+        turns=s.engine.completed,
+        turns_in_flight=s.turns_in_flight,
+        agents=agents,
+        resident_agents=s.resident_agents,
+        resident_blocks=s.resident_blocks,
+        shared_blocks=s.shared_blocks,
+        shared_bytes=s.shared_bytes,
+        shared_tokens=s.engine.shared_tokens,
+        agents_on_disk=s.agents_on_disk,
+        evictions=s.evictions,
+        restores=s.restores,
+        memory_restores=s.memory_restores,
+        host_bytes=s.host_bytes,
+    )
