@@ -44,7 +44,7 @@ class RemoteAgent:
         """A fork on the same replica (it shares the parent's cache blocks)."""
         cluster = self.cluster
         index = await cluster._home(self.name)
-        system = settings.get("system", cluster._systems.get(self.name))
+        system = settings.get("system", cluster._placement.systems.get(self.name))
         return await cluster._start(name, system, index, "fork", self.name, name, settings)
 
     async def reset(self) -> None:
@@ -52,8 +52,7 @@ class RemoteAgent:
 
     async def close(self) -> None:
         await self.cluster._on_agent(self.name, "close")
-        self.cluster._where.pop(self.name, None)
-        self.cluster._systems.pop(self.name, None)
+        self.cluster._placement.drop(self.name)
 
     async def history(self) -> tuple[Message, ...]:
         history: tuple[Message, ...] = await self.cluster._on_agent(self.name, "history")
@@ -79,14 +78,14 @@ class RemoteTurnStream:
     async def __aenter__(self) -> RemoteTurnStream:
         cluster = self._agent.cluster
         index = await cluster._home(self._agent.name)
-        method = cluster._handles[index].stream.options(num_returns="streaming")
+        method = cluster._replicas.handles[index].stream.options(num_returns="streaming")
         self._generator = method.remote(self._agent.name, self._text, self._settings)
         self._index = index
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._reply is None and self._generator is not None:
-            self._agent.cluster._ray.cancel(self._generator)  # undone there
+            self._agent.cluster._replicas.ray.cancel(self._generator)  # undone there
 
     def __aiter__(self) -> RemoteTurnStream:
         return self
@@ -99,9 +98,9 @@ class RemoteTurnStream:
         cluster = self._agent.cluster
 
         def next_item() -> Any:
-            return cluster._ray.get(next(self._generator))
+            return cluster._replicas.ray.get(next(self._generator))
 
-        item = await cluster._get(self._index, next_item)
+        item = await cluster._replicas.get(self._index, next_item)
         if isinstance(item, Reply):
             self._reply = item
             raise StopAsyncIteration
