@@ -1,7 +1,6 @@
 """The agents' keeper (the ``Keeper`` of ``actors/_agent.py``): what is saved in the state
-directory and when, how many saves read each agent, and agents started here: new, forked,
-brought back from saved state (resumed, reattached, adopted) or detached for another
-runtime."""
+directory and when, the count of each agent's saves, and the agents started here (new,
+forked, resumed, reattached, adopted) or detached for another runtime."""
 
 from __future__ import annotations
 
