@@ -4,5 +4,5 @@ needs Ray; ``mlx_actors`` itself never imports it."""
 
 from ._cluster import Cluster as Cluster
 from ._cluster import ClusterStatistics as ClusterStatistics
-from ._cluster import RemoteAgent as RemoteAgent
-from ._cluster import RemoteTurnStream as RemoteTurnStream
+from ._remote import RemoteAgent as RemoteAgent
+from ._remote import RemoteTurnStream as RemoteTurnStream

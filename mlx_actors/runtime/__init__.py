@@ -7,4 +7,4 @@ from ._models import LoadedModel as LoadedModel
 from ._models import load_model as load_model
 from ._models import resolve_model as resolve_model
 from ._runtime import Runtime as Runtime
-from ._runtime import RuntimeStatistics as RuntimeStatistics
+from ._statistics import RuntimeStatistics as RuntimeStatistics

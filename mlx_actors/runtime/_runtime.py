@@ -1,93 +1,32 @@
-"""The Runtime: loads the model, owns every task, spawns agents, shuts down cleanly."""
+"""The Runtime: loads the model, starts the scheduler, owns every task, spawns agents,
+shuts down cleanly. Its agents by name are a :class:`Registry` (``_registry.py``); what is
+kept of them in the state directory, an :class:`AgentKeeper` (``_keeping.py``)."""
 
 from __future__ import annotations
 
-import collections
 import functools
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import MappingProxyType, TracebackType
+from types import TracebackType
 from typing import Any
 
 import anyio
-import attrs
 from anyio.abc import TaskGroup
 from typing_extensions import Unpack
 
-from ..actors import (
-    Agent,
-    Message,
-    Tool,
-    TurnOptions,
-    TurnSettings,
-    as_tools,
-    check_name,
-    check_text,
-    check_tool_choice,
-    running_here,
-)
-from ..errors import (
-    AgentClosedError,
-    CorruptStateError,
-    InvalidRequestError,
-    MlxActorsError,
-    ModelMismatchError,
-    RuntimeClosedError,
-    StateWriteError,
-    UnknownAgentError,
-)
-from ..scheduler import KVQuantization, PoolStatistics, Scheduler
+from ..actors import Agent, Message, Tool, TurnSettings, running_here
+from ..errors import InvalidRequestError, RuntimeClosedError
+from ..scheduler import KVQuantization, Scheduler
+from ._keeping import AgentKeeper
 from ._models import check_model, load_model
-from ._state import AgentRecord, StateDir
+from ._registry import Registry, check_spawn
+from ._state import StateDir
+from ._statistics import RuntimeStatistics, runtime_statistics
 from ._store import DiskCacheStore
 from ._trace import Trace, logging_to
-
-
-@attrs.frozen(kw_only=True)
-class RuntimeStatistics:
-    """What a runtime has done, read on its engine thread."""
-
-    #: The block pool now.
-    pool: PoolStatistics
-    #: Engine steps run (each advances every running sequence by one token).
-    batches: int
-    #: Largest number of sequences decoded in one step.
-    max_batch_size: int
-    #: Prompt tokens run through the model.
-    prefill_tokens: int
-    #: Tokens generated.
-    generated_tokens: int
-    #: History tokens reused from caches instead of prefilled again.
-    cached_tokens: int
-    #: Turns finished.
-    turns: int
-    #: Turns queued or running now.
-    turns_in_flight: int
-    #: Live agents.
-    agents: int
-    #: Agents whose cache is in the pool.
-    resident_agents: int
-    #: Distinct blocks those agents hold (a block several agents share counts once).
-    resident_blocks: int
-    #: Of those, blocks held by more than one agent.
-    shared_blocks: int
-    #: Bytes that sharing saves: what the agents' blocks would take if none were
-    #: shared, less what they take.
-    shared_bytes: int
-    #: History tokens taken from blocks other agents' turns computed.
-    shared_tokens: int
-    #: Agents whose cache was moved to disk to make room.
-    agents_on_disk: int
-    #: Caches moved to disk, and brought back, so far.
-    evictions: int
-    restores: int
-    #: Of ``restores``, those taken from host memory (``host_bytes``), not the files.
-    memory_restores: int = 0
-    #: Bytes of evicted caches kept in host memory now (at most ``host_bytes``).
-    host_bytes: int = 0
 
 
 def _default_pool_bytes() -> int:
@@ -223,17 +162,7 @@ class Runtime:
             share_prefixes=bool(share_prefixes),
             kv_quantization=self._kv,
         )
-        self._agents: dict[str, Agent] = {}
-        #: Names of agents being made (a fork), not yet in ``_agents``.
-        self._claimed: set[str] = set()
-        self._keeping: dict[str, anyio.Lock] = {}
-        #: How many saves read each agent (see :meth:`writes`).
-        self._writes: collections.Counter[str] = collections.Counter()
-        #: Names (case-folded) of agents being closed: taken until their files are gone.
-        self._closing: dict[str, anyio.Event] = {}
-        #: Every agent not closed by its user, live or stopped: what leaving keeps (and
-        #: the only agents whose files are written).
-        self._kept: dict[str, Agent] = {}
+        self._registry = Registry(check_running=self._check_running, log=self.log)
         self._tg: TaskGroup | None = None
         self._closed = False
         self._swap: Path | None = None
@@ -279,14 +208,23 @@ class Runtime:
         else:
             self._swap = Path(tempfile.mkdtemp(prefix="mlx-actors-swap-"))
             store = DiskCacheStore(self._swap, persistent=False)
-        self._store = store
         self._scheduler = Scheduler(self._load, store, log=self.log, **self._scheduler_options)
         self._tg = anyio.create_task_group()
+        self._keeper = AgentKeeper(
+            state=self._state,
+            store=store,
+            scheduler=self._scheduler,
+            registry=self._registry,
+            task_group=self._tg,
+            mailbox_size=self._mailbox_size,
+            log=self.log,
+            check_running=self._check_running,
+        )
         await self._tg.__aenter__()
         self._tg.start_soon(self._scheduler.serve)
         try:
             await self._scheduler.wait_started()
-            await self._resume()
+            await self._keeper.resume()
         except BaseException:
             self._closed = True
             self._scheduler.shutdown()
@@ -296,37 +234,10 @@ class Runtime:
             finally:
                 self._cleanup()
             raise
-        self.log.info("runtime.started", model=str(self.model_path), agents=len(self._agents))
+        self.log.info(
+            "runtime.started", model=str(self.model_path), agents=len(self._registry.agents)
+        )
         return self
-
-    async def _resume(self) -> None:
-        """Bring back the agents a state directory holds; their caches stay on disk
-        until their next turn. A cache that cannot be read costs only that agent its
-        cache; a cache no agent record lists (its agent never finished being made) is
-        deleted."""
-        if self._state is None:
-            return
-        records = await anyio.to_thread.run_sync(self._state.records)
-        names = {record.name for record in records}
-        for orphan in await anyio.to_thread.run_sync(self._store.agents):
-            if orphan not in names:
-                await self._store.drop(orphan)
-        for record in records:
-            await self._resume_one(record)
-
-    async def _resume_one(self, record: AgentRecord) -> Agent:
-        """Start an agent of this state directory as it was saved, its cache on disk."""
-        try:
-            tokens, blocks = await anyio.to_thread.run_sync(self._store.tokens, record.name)
-        except CorruptStateError as exc:
-            self.log.error("blocks.lost", agent=record.name, error=str(exc))
-            await self._store.drop(record.name)
-            tokens, blocks = (), 0
-        if tokens:
-            self._scheduler.adopt(record.name, tokens)
-        agent = await self._start_saved(record, tokens, blocks)
-        self.log.info("agent.resumed", agent=record.name, cached_tokens=len(tokens))
-        return agent
 
     def _cleanup(self) -> None:
         if self._state is not None:
@@ -364,7 +275,7 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        agents = list(self._agents.values())
+        agents = list(self._registry.agents.values())
         error = RuntimeClosedError("the runtime shut down before the turn finished")
         inside = running_here()
         # Stopping the agents a tool here runs for cancels this very code: finish anyway.
@@ -375,10 +286,7 @@ class Runtime:
                         tg.start_soon(
                             functools.partial(agent._stop, error, wait=agent not in inside)
                         )
-                if self._state is not None:  # keep every agent as its last turn left it
-                    async with anyio.create_task_group() as tg:
-                        for agent in self._kept.values():  # those stopped by a cancel too
-                            tg.start_soon(self._keep_or_log, agent)
+                await self._keeper.keep_all()  # every agent as its last turn left it
             finally:
                 self._scheduler.shutdown()
         self.log.info("runtime.stopped")
@@ -391,21 +299,7 @@ class Runtime:
             StateWriteError: an agent could not be saved (the others were).
         """
         self._check_running()
-        failures: list[StateWriteError] = []
-        if self._state is not None:
-
-            async def keep(agent: Agent) -> None:
-                try:
-                    await self._keep(agent)
-                except StateWriteError as exc:
-                    failures.append(exc)
-
-            async with anyio.create_task_group() as tg:
-                for agent in list(self._agents.values()):
-                    tg.start_soon(keep, agent)
-        await self._scheduler.idle_disk()
-        if failures:
-            raise failures[0]
+        await self._keeper.flush()
 
     def _check_running(self) -> None:
         if self._closed:
@@ -420,58 +314,6 @@ class Runtime:
         entering)."""
         return self._scheduler.token if self._tg is not None else None
 
-    async def _keep(self, agent: Agent) -> None:
-        """Save the agent's record, then its cache; one save of an agent at a time. The
-        record is what keeps the turn (:class:`StateWriteError` if it cannot be
-        written); a cache that cannot be written is only logged: the one on disk stays
-        valid for the conversation's beginning, and a later turn prefills the rest."""
-        assert self._state is not None
-        async with self._keeping.setdefault(agent.name, anyio.Lock()):
-            if self._kept.get(agent.name) is not agent:  # closed: its files are gone
-                return
-            self._writes[agent.name] += 1
-            options = agent.options
-            messages = [m.as_dict() for m in agent.history if m.role != "system"]
-            record = AgentRecord(
-                name=agent.name,
-                system=agent.system,
-                options=options,
-                messages=messages,
-                turns=agent.statistics().turns,
-                tools=[t.spec()["function"] for t in agent.tools],
-            )
-            await self._state.save(record)
-            try:
-                await self._scheduler.save(agent.name)
-            except MlxActorsError as exc:
-                self.log.error("blocks.save_failed", agent=agent.name, error=str(exc))
-
-    async def _keep_or_log(self, agent: Agent) -> None:
-        try:
-            await self._keep(agent)
-        except MlxActorsError as exc:  # leaving: nobody left to tell but the trace
-            self.log.error("agent.save_failed", agent=agent.name, error=str(exc))
-
-    @property
-    def saves_turns(self) -> bool:
-        """The agents' keeper: whether :meth:`changed` saves after each turn."""
-        return self._state is not None and self._state.persist == "turn"
-
-    async def changed(self, agent: Agent) -> None:
-        """The agents' keeper: save an agent after each turn (``persist="turn"``)."""
-        if self.saves_turns:
-            await self._keep(agent)
-
-    def writes(self, agent: Agent) -> int:
-        """The agents' keeper: how many saves have read ``agent`` (a ``flush`` inside a
-        turn's hold may write a turn whose caller then gives up)."""
-        return self._writes[agent.name]
-
-    async def rewrite(self, agent: Agent) -> None:
-        """The agents' keeper: save ``agent`` now (a turn written meanwhile was taken
-        back)."""
-        await self._keep(agent)
-
     # -- moving agents between runtimes (a cluster's replicas) ---------------------------
 
     async def detach(self, name: str) -> None:
@@ -483,16 +325,8 @@ class Runtime:
             UnknownAgentError: no live agent is called ``name``.
             StateWriteError: it could not be saved (it stays live here).
         """
-        state = self._need_state("detach")
-        agent = self.agent(name)
-        await self._keep(agent)
-        async with self._keeping.setdefault(name, anyio.Lock()):
-            if self._kept.get(name) is agent:
-                del self._kept[name]  # no later save, and no deletion when it stops
-        await agent._stop(AgentClosedError(f"agent {name!r} moved to another runtime"))
-        await self._scheduler.forget(name, drop=False)
-        await self._scheduler.idle_disk()
-        del state
+        self._check_running()
+        await self._keeper.detach(name)
 
     async def reattach(self, name: str) -> Agent:
         """Start again an agent :meth:`detach` stopped here (its move failed), as it
@@ -502,18 +336,13 @@ class Runtime:
             InvalidRequestError: an agent of that name is live here.
             UnknownAgentError: the state directory holds no agent called ``name``.
         """
-        state = self._need_state("reattach")
-        if name in self._agents:
-            raise InvalidRequestError(f"agent {name!r} is live here")
-        return await self._resume_one(await anyio.to_thread.run_sync(state.record, name))
+        self._check_running()
+        return await self._keeper.reattach(name)
 
     async def forget_detached(self, name: str) -> None:
         """Delete what the state directory kept of an agent :meth:`detach` stopped."""
-        state = self._need_state("forget_detached")
-        if name in self._agents:
-            raise InvalidRequestError(f"agent {name!r} is live here: close() it instead")
-        await self._scheduler.forget(name, drop=True)
-        await state.delete(name)
+        self._check_running()
+        await self._keeper.forget_detached(name)
 
     async def adopt(self, source: str | os.PathLike[str], name: str) -> Agent:
         """Bring agent ``name`` here from another runtime's state directory ``source``
@@ -526,74 +355,8 @@ class Runtime:
             UnknownAgentError: ``source`` holds no agent called ``name``.
             InvalidRequestError: the name is taken here.
         """
-        state = self._need_state("adopt")
-        other = StateDir(source, persist="turn")
-        if await anyio.to_thread.run_sync(other.identity) != await anyio.to_thread.run_sync(
-            state.identity
-        ):
-            raise ModelMismatchError(
-                f"{other.path} was written by another model or kv setting than {state.path}"
-            )
-        record = await anyio.to_thread.run_sync(other.record, name)
-        await self._name_free(name)
-        self.check_new_name(name)
-        self._claimed.add(name)
-        try:
-            tokens: tuple[int, ...] = ()
-            blocks = 0
-            try:
-                image = await other.caches().load(name)
-            except MlxActorsError as exc:  # the conversation comes; the cache does not
-                self.log.error("blocks.lost", agent=name, error=str(exc))
-            else:
-                await self._store.save(name, image)
-                tokens, blocks = image.tokens, image.num_blocks
-                self._scheduler.adopt(name, tokens)
-            await state.save(record)
-            agent = await self._start_saved(record, tokens, blocks)
-        except BaseException:
-            with anyio.CancelScope(shield=True):  # no half-adopted copy is left here
-                await self._scheduler.forget(name, drop=True)
-                await state.delete(name)
-            raise
-        finally:
-            self._claimed.discard(name)
-        self.log.info("agent.adopted", agent=name, source=str(other.path))
-        return agent
-
-    def _need_state(self, what: str) -> StateDir:
         self._check_running()
-        if self._state is None:
-            raise InvalidRequestError(f"{what} needs a Runtime with a state_dir")
-        return self._state
-
-    def closing(self, agent: Agent) -> None:
-        """The agents' keeper: ``agent.close()`` began; its name stays taken until
-        :meth:`closed`, so that a new agent of that name waits for the old one's files
-        to be gone."""
-        self._closing.setdefault(agent.name.casefold(), anyio.Event())
-
-    async def closed(self, agent: Agent) -> None:
-        """The agents' keeper: a closed agent is forgotten by the state directory."""
-        try:
-            if self._state is not None:
-                async with self._keeping.setdefault(agent.name, anyio.Lock()):
-                    if self._kept.get(agent.name) is agent:
-                        # Under the lock: a save that was under way may have written it.
-                        await self._scheduler.forget(agent.name, drop=True)
-                        await self._state.delete(agent.name)  # may fail: close again
-                        del self._kept[agent.name]
-            elif self._kept.get(agent.name) is agent:
-                del self._kept[agent.name]
-        finally:
-            done = self._closing.pop(agent.name.casefold(), None)
-            if done is not None:
-                done.set()
-
-    async def _name_free(self, name: str) -> None:
-        """Wait until no agent called ``name`` is being closed."""
-        while (closing := self._closing.get(str(name).casefold())) is not None:
-            await closing.wait()
+        return await self._keeper.adopt(source, name)
 
     # -- agents ---------------------------------------------------------------------------
 
@@ -626,20 +389,17 @@ class Runtime:
                 each ``ask`` can override them. The defaults decode greedily.
         """
         self._check_running()
-        check_name(name)
-        if system is not None and system != "":
-            check_text("system", system, self._scheduler.max_text_chars)
-        if mailbox_size is not None and (
-            isinstance(mailbox_size, bool) or not isinstance(mailbox_size, int) or mailbox_size <= 0
-        ):
-            raise InvalidRequestError(f"mailbox_size must be a positive int, got {mailbox_size!r}")
-        options = TurnOptions().override(**settings)
-        agent_tools = as_tools(tools)
-        check_tool_choice(options.tool_choice, agent_tools)
-        seeded = [self._seed_message(m) for m in history]
-        await self._name_free(name)
-        self.check_new_name(name)
-        agent = await self._start_agent(
+        options, agent_tools, seeded = check_spawn(
+            name,
+            system=system,
+            mailbox_size=mailbox_size,
+            tools=tools,
+            history=history,
+            settings=settings,
+            limit=self._scheduler.max_text_chars,
+        )
+        await self._registry.check_free(name)
+        agent = await self._keeper.start(
             name,
             system=system or None,
             options=options,
@@ -647,127 +407,9 @@ class Runtime:
             tools=agent_tools,
             messages=seeded,
         )
-        await self._first_save(agent)
+        await self._keeper.first_save(agent)
         self.log.info("agent.spawned", agent=name)
         return agent
-
-    def _seed_message(self, message: Message | Mapping[str, str]) -> Message:
-        if isinstance(message, Message):
-            role, content = message.role, message.content
-        elif isinstance(message, Mapping) and set(message) == {"role", "content"}:
-            role, content = message["role"], message["content"]
-        else:
-            raise InvalidRequestError(
-                f"history takes Messages or {{'role': ..., 'content': ...}}, got {message!r}"
-            )
-        if role not in ("user", "assistant"):
-            raise InvalidRequestError(f"history roles are 'user' or 'assistant', got {role!r}")
-        # A model's reply may be empty or only whitespace; a user's text may not.
-        limit, blank = self._scheduler.max_text_chars, role == "assistant"
-        return Message(role=role, content=check_text("content", content, limit, blank=blank))
-
-    async def _first_save(self, agent: Agent) -> None:
-        """Save a new agent (``persist="turn"``); if that fails, it never existed."""
-        if self._state is None or self._state.persist != "turn":
-            return
-        # Shielded: a cancel cannot land between the record's write and the reply, so
-        # the agent either exists, on disk too, or was never made.
-        with anyio.CancelScope(shield=True):
-            try:
-                await self._keep(agent)
-            except BaseException:
-                if self._kept.get(agent.name) is agent:
-                    del self._kept[agent.name]
-                await agent._stop(AgentClosedError(f"agent {agent.name!r} was not made"))
-                await self._scheduler.forget(agent.name, drop=True)
-                raise
-
-    def check_new_name(self, name: str) -> None:
-        """Raise unless a new agent may be called ``name`` (the agents' keeper)."""
-        self._check_running()
-        check_name(name)
-        for other in [*self._agents, *self._claimed]:
-            if other.casefold() == name.casefold():
-                raise InvalidRequestError(
-                    f"an agent named {other!r} already exists (names ignore case: they name files)"
-                )
-
-    async def fork(
-        self, parent: Agent, name: str, options: TurnOptions, mailbox_size: int | None
-    ) -> Agent:
-        """The agents' keeper: start ``name`` with ``parent``'s conversation and cache."""
-        await self._name_free(name)
-        self.check_new_name(name)
-        self._claimed.add(name)  # taken from now on: the fork awaits the engine thread
-        try:
-            await self._scheduler.fork(parent.name, name)
-            stats = parent.statistics()
-            try:
-                agent = await self._start_agent(
-                    name,
-                    system=parent.system,
-                    options=options,
-                    mailbox_size=mailbox_size,
-                    messages=[m for m in parent.history if m.role != "system"],
-                    turns=stats.turns,
-                    cached=(stats.cached_tokens, stats.cached_blocks),
-                    tools=parent.tools,
-                )
-            except BaseException:  # the runtime began to close meanwhile
-                with anyio.CancelScope(shield=True):
-                    await self._scheduler.forget(name, drop=True)
-                raise
-        finally:
-            self._claimed.discard(name)
-        await self._first_save(agent)
-        return agent
-
-    async def _start_saved(
-        self, record: AgentRecord, tokens: tuple[int, ...], blocks: int
-    ) -> Agent:
-        """Start an agent as ``record`` saved it, its cache (``tokens``, in ``blocks``
-        blocks) on disk."""
-        return await self._start_agent(
-            record.name,
-            system=record.system,
-            options=record.options,
-            mailbox_size=self._mailbox_size,
-            messages=[Message.from_dict(m) for m in record.messages],
-            turns=record.turns,
-            cached=(len(tokens), blocks),
-            tools=[
-                Tool(name=t["name"], description=t["description"], parameters=t["parameters"])
-                for t in record.tools
-            ],
-        )
-
-    async def _start_agent(self, name: str, *, mailbox_size: int | None, **kwargs: Any) -> Agent:
-        self._check_running()  # a closing runtime stops only the agents it has already
-        assert self._tg is not None
-        agent = Agent(
-            name,
-            self._scheduler,
-            mailbox_size=mailbox_size or self._mailbox_size,
-            log=self.log,
-            on_stopped=self._forget,
-            keeper=self,
-            **kwargs,
-        )
-        self._agents[name] = self._kept[name] = agent
-        try:
-            await self._tg.start(agent.serve)
-        except BaseException:
-            if self._kept.get(name) is agent:
-                del self._kept[name]
-            if self._agents.get(name) is agent:
-                del self._agents[name]
-            raise
-        return agent
-
-    def _forget(self, agent: Agent) -> None:
-        if self._agents.get(agent.name) is agent:
-            del self._agents[agent.name]
-            self.log.info("agent.closed", agent=agent.name)
 
     @property
     def share_prefixes(self) -> bool:
@@ -798,37 +440,15 @@ class Runtime:
     @property
     def agents(self) -> Mapping[str, Agent]:
         """The live agents by name (a read-only view)."""
-        return MappingProxyType(self._agents)
+        return self._registry.agents
 
     def agent(self, name: str) -> Agent:
         """The live agent called ``name`` (raises :class:`UnknownAgentError`)."""
-        try:
-            return self._agents[name]
-        except KeyError:
-            raise UnknownAgentError(f"no live agent is called {name!r}") from None
+        return self._registry.agent(name)
 
     async def stats(self) -> RuntimeStatistics:
         """Pool usage, batches run, tokens prefilled, generated and reused: a snapshot
         taken on the engine thread after everything sent before this call."""
-        s = await self._scheduler.statistics()
-        return RuntimeStatistics(
-            pool=s.pool,
-            batches=s.engine.steps,
-            max_batch_size=s.engine.max_decode_batch,
-            prefill_tokens=s.engine.prefill_tokens,
-            generated_tokens=s.engine.generated_tokens,
-            cached_tokens=s.engine.cached_tokens,
-            turns=s.engine.completed,
-            turns_in_flight=s.turns_in_flight,
-            agents=len(self._agents),
-            resident_agents=s.resident_agents,
-            resident_blocks=s.resident_blocks,
-            shared_blocks=s.shared_blocks,
-            shared_bytes=s.shared_bytes,
-            shared_tokens=s.engine.shared_tokens,
-            agents_on_disk=s.agents_on_disk,
-            evictions=s.evictions,
-            restores=s.restores,
-            memory_restores=s.memory_restores,
-            host_bytes=s.host_bytes,
+        return runtime_statistics(
+            await self._scheduler.statistics(), agents=len(self._registry.agents)
         )

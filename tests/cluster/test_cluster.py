@@ -112,7 +112,7 @@ async def test_a_replica_killed_mid_turn_loses_nothing_that_was_answered(
             while not (await cl.stats()).replicas[victim].turns_in_flight:  # it runs
                 assert time.monotonic() < deadline
                 await anyio.sleep(0.05)
-            ray.kill(cl._handles[victim])
+            ray.kill(cl._replicas.handles[victim])
         assert len(outcome) == 1 and isinstance(outcome[0], ReplicaLostError)
         assert ann.replica != victim and bob.replica != victim
         assert await ann.history() == before  # the killed turn is not kept
@@ -153,7 +153,7 @@ async def test_two_replicas_dying_at_once_lose_no_agent(tiny_dir: Path, tmp_path
         histories = {agent.name: await agent.history() for agent in agents}
         survivor = agents[0].replica
         for index in {0, 1, 2} - {survivor}:
-            ray.kill(cl._handles[index])
+            ray.kill(cl._replicas.handles[index])
         with pytest.raises(ReplicaLostError):
             await cl.agent(next(a.name for a in agents if a.replica != survivor)).ask("Hi")
         assert set((await cl.stats()).placement.values()) == {survivor}
@@ -212,7 +212,7 @@ async def test_a_move_the_target_refuses_leaves_the_agent_where_it_was(tiny_dir:
         first = await ann.ask("Hello")
         source = ann.replica
         # An agent the cluster does not know of takes the name on the target.
-        await cl._raw(1 - source, "spawn", "ann", {})
+        await cl._replicas.raw(1 - source, "spawn", "ann", {})
         with pytest.raises(InvalidRequestError):
             await cl.move("ann", 1 - source)
         assert ann.replica == source
@@ -258,7 +258,7 @@ async def test_a_replica_whose_runtime_stopped_is_replaced(
         await ann.ask("Hello")
         before = await ann.history()
         victim = ann.replica
-        await cl._raw(victim, "stop")  # its runtime ends; the process lives on
+        await cl._replicas.raw(victim, "stop")  # its runtime ends; the process lives on
         with pytest.raises(ReplicaLostError, match="brought back"):
             if call == "ask":
                 await ann.ask("Hi")
