@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
-import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import mlx.core as mx
 import structlog
-from anyio.abc import TaskGroup
 from anyio.lowlevel import EventLoopToken
 
 from ...errors import CorruptStateError, MlxActorsError, RuntimeClosedError
@@ -27,6 +24,7 @@ from ..kv._spec import LayerKind, ModelCacheSpec
 from ..residency._host import HostCaches
 from ..residency._image import CacheImage
 from ..residency._manager import CacheManager
+from ._disk import DiskWork
 from ._events import (
     Cancelled,
     Event,
@@ -48,17 +46,14 @@ from ._protocol import (
     CacheStore,
     Cancel,
     Commit,
-    Forget,
     Fork,
     Query,
     Release,
     Save,
     SchedulerStatistics,
-    Stored,
     Submit,
     Turn,
     Undo,
-    WriteFailed,
 )
 
 Loader = Callable[[], tuple[Any, Any]]
@@ -101,7 +96,6 @@ class Scheduler:
     ) -> None:
         self._load = load
         self._kv_quantization = kv_quantization
-        self._store = store
         self._admission_window = admission_window
         self._pool_blocks, self._pool_bytes = pool_blocks, pool_bytes
         self._max_batch_size = max_batch_size
@@ -114,15 +108,11 @@ class Scheduler:
         self._started = anyio.Event()
         self._startup_error: BaseException | None = None
         self._final: SchedulerStatistics | None = None
-        self._background: TaskGroup | None = None
         self._token: EventLoopToken | None = None
-        self._disk_tail: dict[str, anyio.Event] = {}
+        self._disk = DiskWork(store, self._put, log=self._log)
         #: Turns asked whose agents have not yet sent them (read by the engine thread;
         #: changed only on the event loop).
         self._coming = 0
-        #: Agents whose cache is out of the pool, as the engine thread said (each with
-        #: the snapshot that evicted it; 0: one the store held already).
-        self._on_disk: dict[str, int] = {}
         #: Evicted caches also kept in memory (its budget is set when the pool is made:
         #: ``host_bytes``, or half the pool's bytes).
         self._host_bytes = host_bytes
@@ -165,7 +155,7 @@ class Scheduler:
         # on, shielded, while the runtime closes) stop only on shutdown, not on a cancel.
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as background:
-                self._background = background
+                self._disk.start(background)
                 thread.start()
                 await finished.wait()
                 await anyio.to_thread.run_sync(thread.join)
@@ -247,7 +237,7 @@ class Scheduler:
             if not turn.needs_restore:
                 break
             turn.needs_restore, turn.settled = False, anyio.Event()
-            image = await self._read(turn.agent)  # None: the cache is gone, start over
+            image = await self._disk.read(turn.agent)  # None: gone, start over
         if turn.error is not None:
             raise turn.error
         assert turn.result is not None
@@ -276,7 +266,7 @@ class Scheduler:
 
     def adopt(self, agent: str, tokens: tuple[int, ...]) -> None:
         """Register an agent whose cache is in the store (brought back from disk)."""
-        self._on_disk[agent] = 0
+        self._disk.adopted(agent)
         self._put(Adopt(agent, tokens))
 
     async def save(self, agent: str) -> None:
@@ -313,33 +303,15 @@ class Scheduler:
         if outcome[0] is None:
             raise RuntimeClosedError("the runtime shut down before the fork")
         if outcome[0]:
-            previous = self._disk_tail.get(parent)
-
-            async def copy() -> None:
-                if previous is not None:
-                    await previous.wait()
-                if parent not in self._on_disk:  # the write that evicted it failed
-                    self._put(Forget(child))
-                    return
-                try:
-                    await self._store.copy(parent, child)
-                except Exception:
-                    self._put(Forget(child))  # the child starts from its conversation
-                    raise
-                self._on_disk[child] = 0
-
-            await self._disk(child, copy).wait()
+            await self._disk.copy(parent, child)
 
     async def forget(self, agent: str, *, drop: bool) -> None:
         """Free the agent's cache; with ``drop``, delete it from the store as well."""
-        self._put(Forget(agent))
-        self._on_disk.pop(agent, None)
-        if drop:
-            await self._disk(agent, lambda: self._store.drop(agent)).wait()
+        await self._disk.forget(agent, drop=drop)
 
     def on_disk(self, agent: str) -> bool:
         """Whether the agent's cache is in the store rather than in the pool."""
-        return agent in self._on_disk
+        return self._disk.out(agent)
 
     async def statistics(self) -> SchedulerStatistics:
         """A consistent snapshot, taken on the engine thread after every earlier command."""
@@ -358,77 +330,7 @@ class Scheduler:
 
     async def idle_disk(self) -> None:
         """Wait until every disk operation asked for so far is done."""
-        for event in list(self._disk_tail.values()):
-            await event.wait()
-
-    # -- disk work -------------------------------------------------------------------------
-
-    def _disk(self, agent: str, work: Callable[[], Awaitable[Any]]) -> anyio.Event:
-        """Run ``work`` in the background after the agent's earlier disk work."""
-        assert self._background is not None
-        previous = self._disk_tail.get(agent)
-        done = self._disk_tail[agent] = anyio.Event()
-
-        async def run() -> None:
-            try:
-                if previous is not None:
-                    await previous.wait()
-                await work()
-            except Exception as exc:
-                self._log.error("blocks.write_failed", agent=agent, error=str(exc))
-            finally:
-                done.set()
-                if self._disk_tail.get(agent) is done:
-                    del self._disk_tail[agent]
-
-        self._background.start_soon(run)
-        return done
-
-    async def _read(self, agent: str) -> CacheImage | None:
-        pending = self._disk_tail.get(agent)
-        if pending is not None:
-            await pending.wait()
-        if agent not in self._on_disk:  # the write that evicted it failed
-            return None
-        started = time.perf_counter()
-        try:
-            image = await self._store.load(agent)
-        except MlxActorsError as exc:
-            # The agent's next turn starts again from its conversation.
-            self._log.error("blocks.lost", agent=agent, error=str(exc))
-            await self.forget(agent, drop=True)
-            raise
-        self._log.debug(
-            "blocks.read",
-            agent=agent,
-            bytes=image.nbytes,
-            source="disk",
-            ms=round((time.perf_counter() - started) * 1e3, 2),
-        )
-        return image
-
-    async def _write(self, agent: str, image: CacheImage) -> None:
-        started = time.perf_counter()
-        refs = await self._store.save(agent, image)
-        self._log.debug(
-            "blocks.written",
-            agent=agent,
-            bytes=image.nbytes,
-            ms=round((time.perf_counter() - started) * 1e3, 2),
-        )
-        self._put(Stored(agent, refs, image.serial))
-
-    async def _write_evicted(self, agent: str, image: CacheImage) -> None:
-        try:
-            await self._write(agent, image)
-        except Exception as exc:
-            # The cache is gone, not corrupt: the agent's next turn starts again from
-            # its conversation rather than failing (unless it is back in the pool
-            # from host memory: the engine thread knows).
-            self._log.error("blocks.write_failed", agent=agent, error=repr(exc))
-            self._put(WriteFailed(agent, image.serial))
-            if self._on_disk.get(agent) == image.serial:
-                del self._on_disk[agent]
+        await self._disk.idle()
 
     # -- deliveries --------------------------------------------------------------------------
 
@@ -482,16 +384,13 @@ class Scheduler:
                 turn.needs_restore = True
                 turn.settled.set()
             case Evicted(agent, image):
-                self._on_disk[agent] = image.serial
-                self._disk(agent, functools.partial(self._write_evicted, agent, image))
+                self._disk.evicted(agent, image)
             case RestoreFailed(turn, error):
                 self._lost(turn, error)
             case Restored(agent):
-                self._on_disk.pop(agent, None)
-                if not self._store.persistent:  # a swap area keeps only what is out
-                    self._disk(agent, functools.partial(self._store.drop, agent))
+                self._disk.restored(agent)
             case SaveReady(command, image):
-                self._disk(command.agent, functools.partial(self._save_for, command, image))
+                self._disk.save(command, image)
             case Statistics(reply, statistics):
                 reply(statistics)
             case Forked(command, on_disk):
@@ -502,26 +401,15 @@ class Scheduler:
         and fail the turn (the agent's next turn starts from its conversation)."""
         agent = turn.agent
         self._log.error("blocks.lost", agent=agent, error=str(error))
-        self._on_disk.pop(agent, None)
-        self._disk(agent, functools.partial(self._store.drop, agent))
+        self._disk.lost(agent)
         self._fail(
             turn,
             CorruptStateError(
-                f"the saved cache of agent {agent!r} ({self._store.where(agent)}) "
+                f"the saved cache of agent {agent!r} ({self._disk.store.where(agent)}) "
                 f"does not fit the model, so it was deleted and the agent's next "
                 f"turn starts from its conversation: {error}"
             ),
         )
-
-    async def _save_for(self, command: Save, image: CacheImage | None) -> None:
-        try:
-            if image is not None:
-                await self._write(command.agent, image)
-        except BaseException as exc:
-            command.reply(exc)
-            raise
-        else:
-            command.reply(None)
 
     # -- the engine thread ---------------------------------------------------------------
 
@@ -547,7 +435,7 @@ class Scheduler:
             log=self._log,
             on_evicted=lambda agent, image: outbox.append(Evicted(agent, image)),
             share_prefixes=self._share_prefixes,
-            persistent_store=self._store.persistent,
+            persistent_store=self._disk.store.persistent,
         )
         engine = BlockPoolBatchEngine(
             model,

@@ -1,0 +1,193 @@
+"""The store's work, on the event loop: writing evicted and saved caches, reading back the
+ones the engine thread asks for, copying for forks, deleting; one agent's operations in
+order, each in the background on a worker thread of the store's.
+
+Which tier an agent's cache is in is the engine thread's record
+(:class:`~..residency._manager.CacheManager`); :class:`DiskWork` keeps only what the
+disk work needs of it: the agents whose cache the engine thread said is out of the pool
+(and by which snapshot), so that a read or a copy after a failed write starts over
+instead of reading what is not there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ...errors import MlxActorsError
+from ..residency._image import CacheImage
+from ._protocol import CacheStore, Forget, Save, Stored, WriteFailed
+
+
+class DiskWork:
+    """Runs ``store``'s operations in the background of the task group it is given
+    (:meth:`start`); ``put`` sends the engine thread a command."""
+
+    def __init__(self, store: CacheStore, put: Callable[[object], None], *, log: Any) -> None:
+        self.store = store
+        self._put = put
+        self._log = log
+        self._group: TaskGroup | None = None
+        self._tail: dict[str, anyio.Event] = {}
+        #: Agents whose cache is out of the pool, as the engine thread said (each with
+        #: the snapshot that evicted it; 0: one the store held already).
+        self._out: dict[str, int] = {}
+
+    def start(self, group: TaskGroup) -> None:
+        self._group = group
+
+    def out(self, agent: str) -> bool:
+        """Whether the agent's cache is in the store rather than in the pool."""
+        return agent in self._out
+
+    def run(self, agent: str, work: Callable[[], Awaitable[Any]]) -> anyio.Event:
+        """Run ``work`` in the background after the agent's earlier disk work; the event
+        is set when it is done."""
+        assert self._group is not None
+        previous = self._tail.get(agent)
+        done = self._tail[agent] = anyio.Event()
+
+        async def run() -> None:
+            try:
+                if previous is not None:
+                    await previous.wait()
+                await work()
+            except Exception as exc:
+                self._log.error("blocks.write_failed", agent=agent, error=str(exc))
+            finally:
+                done.set()
+                if self._tail.get(agent) is done:
+                    del self._tail[agent]
+
+        self._group.start_soon(run)
+        return done
+
+    async def idle(self) -> None:
+        """Wait until every disk operation asked for so far is done."""
+        for event in list(self._tail.values()):
+            await event.wait()
+
+    # -- what the engine thread says -----------------------------------------------------------
+
+    def adopted(self, agent: str) -> None:
+        """The agent's cache is in the store already (a state directory's)."""
+        self._out[agent] = 0
+
+    def evicted(self, agent: str, image: CacheImage) -> None:
+        """The agent's cache left the pool as ``image``: write it."""
+        self._out[agent] = image.serial
+        self.run(agent, lambda: self._write_evicted(agent, image))
+
+    def restored(self, agent: str) -> None:
+        """The agent's cache is back in the pool (or dropped for good)."""
+        self._out.pop(agent, None)
+        if not self.store.persistent:  # a swap area keeps only what is out
+            self.run(agent, lambda: self.store.drop(agent))
+
+    def lost(self, agent: str) -> None:
+        """The agent's saved cache does not fit the model: delete it."""
+        self._out.pop(agent, None)
+        self.run(agent, lambda: self.store.drop(agent))
+
+    def save(self, command: Save, image: CacheImage | None) -> None:
+        """Write a save's snapshot (``None``: nothing in the pool to save) and answer it."""
+
+        async def save() -> None:
+            try:
+                if image is not None:
+                    await self._write(command.agent, image)
+            except BaseException as exc:
+                command.reply(exc)
+                raise
+            else:
+                command.reply(None)
+
+        self.run(command.agent, save)
+
+    # -- what the event loop asks --------------------------------------------------------------
+
+    async def read(self, agent: str) -> CacheImage | None:
+        """The agent's cache from the store, once its earlier disk work is done (``None``:
+        the write that evicted it failed, so it starts over).
+
+        Raises:
+            MlxActorsError: the files could not be read (they are deleted).
+        """
+        pending = self._tail.get(agent)
+        if pending is not None:
+            await pending.wait()
+        if agent not in self._out:  # the write that evicted it failed
+            return None
+        started = time.perf_counter()
+        try:
+            image = await self.store.load(agent)
+        except MlxActorsError as exc:
+            # The agent's next turn starts again from its conversation.
+            self._log.error("blocks.lost", agent=agent, error=str(exc))
+            await self.forget(agent, drop=True)
+            raise
+        self._log.debug(
+            "blocks.read",
+            agent=agent,
+            bytes=image.nbytes,
+            source="disk",
+            ms=round((time.perf_counter() - started) * 1e3, 2),
+        )
+        return image
+
+    async def copy(self, parent: str, child: str) -> None:
+        """Make the child's cache a copy of the parent's files (a fork of an evicted
+        agent), after the parent's earlier disk work; if there is nothing to copy, the
+        child starts from its conversation."""
+        previous = self._tail.get(parent)
+
+        async def copy() -> None:
+            if previous is not None:
+                await previous.wait()
+            if parent not in self._out:  # the write that evicted it failed
+                self._put(Forget(child))
+                return
+            try:
+                await self.store.copy(parent, child)
+            except Exception:
+                self._put(Forget(child))  # the child starts from its conversation
+                raise
+            self._out[child] = 0
+
+        await self.run(child, copy).wait()
+
+    async def forget(self, agent: str, *, drop: bool) -> None:
+        """Free the agent's cache; with ``drop``, delete it from the store as well."""
+        self._put(Forget(agent))
+        self._out.pop(agent, None)
+        if drop:
+            await self.run(agent, lambda: self.store.drop(agent)).wait()
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    async def _write(self, agent: str, image: CacheImage) -> None:
+        started = time.perf_counter()
+        refs = await self.store.save(agent, image)
+        self._log.debug(
+            "blocks.written",
+            agent=agent,
+            bytes=image.nbytes,
+            ms=round((time.perf_counter() - started) * 1e3, 2),
+        )
+        self._put(Stored(agent, refs, image.serial))
+
+    async def _write_evicted(self, agent: str, image: CacheImage) -> None:
+        try:
+            await self._write(agent, image)
+        except Exception as exc:
+            # The cache is gone, not corrupt: the agent's next turn starts again from
+            # its conversation rather than failing (unless it is back in the pool
+            # from host memory: the engine thread knows).
+            self._log.error("blocks.write_failed", agent=agent, error=repr(exc))
+            self._put(WriteFailed(agent, image.serial))
+            if self._out.get(agent) == image.serial:
+                del self._out[agent]
