@@ -23,7 +23,6 @@ from ..errors import (
     InvalidRequestError,
     MlxActorsError,
     ReplyFormatError,
-    RuntimeClosedError,
 )
 from ..scheduler import (
     SEEDS,
@@ -36,7 +35,8 @@ from ..scheduler import (
     schema_grammar,
 )
 from ._conversation import check_conversation, continue_from
-from ._envelope import Envelope, handling, running
+from ._envelope import Envelope, running
+from ._mailbox import Mailbox
 from ._render import Renderer, Rendering, renderer_for
 from ._reply import Message, Reply, TurnStream
 from ._settings import (
@@ -164,16 +164,23 @@ class Agent:
         #: The last rendering of the conversation: the next one encodes only what changed.
         self._rendering: Rendering | None = None
         self._log = log
-        self._on_stopped = on_stopped
         self._keeper = keeper
-        self._mailbox, self._inbox = anyio.create_memory_object_stream[Envelope](mailbox_size)
+        self._mailbox = Mailbox(
+            name,
+            mailbox_size,
+            handlers={
+                "ask": self._turn,
+                "respond": self._turn,
+                "tell": self._tell,
+                "fork": self._fork,
+                "reset": self._reset,
+            },
+            deliver=self._deliver,
+            on_stopped=functools.partial(on_stopped, self),
+        )
         self._messages: list[Message] = list(messages)
         self._cached_tokens, self._cached_blocks = cached
         self._turns = turns
-        self._abandoned = 0  # cancelled requests still in the mailbox
-        self._scope = anyio.CancelScope()
-        self._stopped = anyio.Event()
-        self._closing: MlxActorsError | None = None
         self._close_done: anyio.Event | None = None
 
     def __repr__(self) -> str:
@@ -194,7 +201,7 @@ class Agent:
 
     @property
     def closed(self) -> bool:
-        return self._closing is not None
+        return self._mailbox.closing is not None
 
     @property
     def tools(self) -> tuple[Tool, ...]:
@@ -212,10 +219,9 @@ class Agent:
         self._tools = made
 
     def statistics(self) -> AgentStatistics:
-        mailbox = self._mailbox.statistics()
         return AgentStatistics(
-            queued=mailbox.current_buffer_used - self._abandoned,
-            senders_waiting=mailbox.tasks_waiting_send,
+            queued=self._mailbox.queued(),
+            senders_waiting=self._mailbox.senders_waiting(),
             turns=self._turns,
             cached_tokens=self._cached_tokens,
             cached_blocks=self._cached_blocks,
@@ -484,7 +490,7 @@ class Agent:
         )
 
     def _check_open(self) -> None:
-        if self._closing is not None:
+        if self._mailbox.closing is not None:
             raise self._closed_error()
         self._check_loop()
 
@@ -519,73 +525,16 @@ class Agent:
 
     def _closed_error(self) -> MlxActorsError:
         """The error of a request that comes after the agent stopped."""
-        if isinstance(self._closing, RuntimeClosedError):
-            return RuntimeClosedError(
-                f"agent {self.name!r} takes no more requests: its runtime has shut down "
-                "(call agents inside `async with Runtime(...) as rt:`)"
-            )
-        return self._closing or AgentClosedError(f"agent {self.name!r} is closed")
+        return self._mailbox.closed_error()
 
     async def _stop(self, error: MlxActorsError, *, wait: bool = True) -> None:
         """Cancel the running turn, fail the queued ones with ``error`` and end the task;
         with ``wait``, until it has ended."""
-        if self._closing is None:
-            self._closing = error
-            self._mailbox.close()
-            self._scope.cancel()
-        if wait:
-            with anyio.CancelScope(shield=True):
-                await self._stopped.wait()
+        await self._mailbox.stop(error, wait=wait)
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The agent's task: take envelopes from the mailbox, one at a time."""
-        try:
-            with self._scope:
-                task_status.started()
-                async for envelope in self._inbox:
-                    envelope.in_mailbox = False
-                    if envelope.cancelled:
-                        self._abandoned -= 1
-                    else:
-                        await self._handle(envelope)
-        finally:
-            self._closing = self._closing or RuntimeClosedError("the runtime shut down")
-            self._mailbox.close()
-            # Answer what is still queued, then close: blocked senders get the error too.
-            while True:
-                try:
-                    envelope = self._inbox.receive_nowait()
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    break
-                envelope.error = self._closing
-                envelope.finish()
-            self._inbox.close()
-            self._stopped.set()
-            self._on_stopped(self)
-
-    async def _handle(self, envelope: Envelope) -> None:
-        token = handling.set((*envelope.senders, envelope))
-        try:
-            with anyio.CancelScope() as envelope.scope:
-                try:
-                    if envelope.kind == "reset":
-                        await self._reset()
-                    elif envelope.kind == "fork":
-                        await self._fork(envelope)
-                    elif envelope.kind == "tell":
-                        await self._tell(envelope)
-                    else:
-                        await self._turn(envelope)
-                    envelope.completed = True
-                except Exception as exc:
-                    envelope.error = exc
-        finally:
-            if not envelope.completed and envelope.error is None:
-                envelope.error = self._closing or MlxActorsError("the turn was cancelled")
-            handling.reset(token)
-            envelope.finish()
-        if envelope.delivering:
-            await self._deliver(envelope)
+        await self._mailbox.serve(task_status=task_status)
 
     async def _turn(self, envelope: Envelope) -> None:
         """One ask (or respond): the reply, and with tools every round of calls before
@@ -924,7 +873,7 @@ class Agent:
         if self._written_since(writes) and not await self._save_undo():
             self._messages = after
 
-    async def _reset(self) -> None:
+    async def _reset(self, envelope: Envelope) -> None:
         before = self._messages
         self._messages, self._cached_tokens, self._cached_blocks = [], 0, 0
         with anyio.CancelScope(shield=True):

@@ -110,7 +110,7 @@ class Envelope:
             self.deadline = anyio.current_time() + self.timeout
         try:
             with anyio.fail_after(self.deadline_in()):
-                await self.agent._mailbox.send(self)
+                await self.agent._mailbox.put(self)
             self.in_mailbox = True
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             raise self.agent._closed_error() from None
@@ -152,7 +152,7 @@ class Envelope:
             self.scope.cancel()  # running: the agent rolls back, then finishes it
         else:
             if self.in_mailbox:  # still queued: the agent will skip it
-                self.agent._abandoned += 1
+                self.agent._mailbox.withdraw()
             self.finish()
 
     async def abandon(self) -> None:
