@@ -8,7 +8,7 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import anyio
@@ -48,6 +48,7 @@ from ._settings import (
 )
 from ._tool_format import ToolFormat, tool_format
 from ._tools import Tool, ToolCall, as_tools, check_tool_choice, named_tools, run_call
+from ._transaction import AgentState
 
 #: Conversations of fewer characters are rendered on the event loop (under two milliseconds
 #: on a small CPU); longer ones on a worker thread, so that the loop never waits on them.
@@ -113,16 +114,24 @@ class Keeper(Protocol):
 
 
 @attrs.frozen
-class _Before:
-    """What a turn changes, as it was before the turn: what undoing it restores."""
+class _Saves:
+    """The keeper, for one agent (what its state saves through)."""
 
-    messages: list[Message]
-    turns: int
-    cached: tuple[int, int]
-    system: str | None
-    tools: tuple[Tool, ...]
-    #: The keeper's count of the agent's saves (see :meth:`Keeper.writes`).
-    writes: int
+    keeper: Keeper
+    agent: Agent
+
+    @property
+    def saves_turns(self) -> bool:
+        return self.keeper.saves_turns
+
+    async def changed(self) -> None:
+        await self.keeper.changed(self.agent)
+
+    def writes(self) -> int:
+        return self.keeper.writes(self.agent)
+
+    async def rewrite(self) -> None:
+        await self.keeper.rewrite(self.agent)
 
 
 class Agent:
@@ -151,12 +160,19 @@ class Agent:
         tools: Sequence[Tool] = (),
     ) -> None:
         self.name = name
-        self.system = system
         self.options = options
-        self._tools = tuple(tools)
+        self._state = AgentState(
+            name,
+            scheduler,
+            log=log,
+            saves=None if keeper is None else _Saves(keeper, self),
+            system=system,
+            tools=tools,
+            messages=messages,
+            turns=turns,
+            cached=cached,
+        )
         self._format: ToolFormat | None = None
-        #: How to undo the request on its way to its caller (see ``_deliver``).
-        self._undo_delivered: Callable[[], Awaitable[None]] | None = None
         #: Grammars of required calls and tool-or-answer replies, compiled once each.
         self._grammars: dict[tuple[tuple[Tool, ...], str], str] = {}
         self._scheduler = scheduler
@@ -171,20 +187,17 @@ class Agent:
             handlers={
                 "ask": self._turn,
                 "respond": self._turn,
-                "tell": self._tell,
+                "tell": self._state.tell,
                 "fork": self._fork,
-                "reset": self._reset,
+                "reset": self._state.reset,
             },
-            deliver=self._deliver,
+            deliver=self._state.deliver,
             on_stopped=functools.partial(on_stopped, self),
         )
-        self._messages: list[Message] = list(messages)
-        self._cached_tokens, self._cached_blocks = cached
-        self._turns = turns
         self._close_done: anyio.Event | None = None
 
     def __repr__(self) -> str:
-        return f"<Agent {self.name!r}, {len(self._messages)} messages>"
+        return f"<Agent {self.name!r}, {len(self._state.messages)} messages>"
 
     # -- the public face --------------------------------------------------------------------
 
@@ -192,12 +205,21 @@ class Agent:
     def history(self) -> tuple[Message, ...]:
         """The conversation: the system prompt (if any), then user and assistant turns."""
         system = (Message(role="system", content=self.system),) if self.system else ()
-        return (*system, *self._messages)
+        return (*system, *self._state.messages)
+
+    @property
+    def system(self) -> str | None:
+        """The system prompt (``None``: none)."""
+        return self._state.system
+
+    @system.setter
+    def system(self, system: str | None) -> None:
+        self._state.system = system
 
     @property
     def cached_tokens(self) -> int:
         """Tokens of the conversation held in the agent's KV cache."""
-        return self._cached_tokens
+        return self._state.cached_tokens
 
     @property
     def closed(self) -> bool:
@@ -206,7 +228,7 @@ class Agent:
     @property
     def tools(self) -> tuple[Tool, ...]:
         """The tools the agent may call (see ``spawn(tools=...)``)."""
-        return self._tools
+        return self._state.tools
 
     def use_tools(self, tools: Sequence[Callable[..., Any] | Tool]) -> None:
         """Replace the agent's tools from its next turn on (an agent brought back from a
@@ -216,15 +238,15 @@ class Agent:
         self._check_loop()
         made = as_tools(tools)
         check_tool_choice(self.options.tool_choice, made)
-        self._tools = made
+        self._state.tools = made
 
     def statistics(self) -> AgentStatistics:
         return AgentStatistics(
             queued=self._mailbox.queued(),
             senders_waiting=self._mailbox.senders_waiting(),
-            turns=self._turns,
-            cached_tokens=self._cached_tokens,
-            cached_blocks=self._cached_blocks,
+            turns=self._state.turns,
+            cached_tokens=self._state.cached_tokens,
+            cached_blocks=self._state.cached_blocks,
             on_disk=self._scheduler.on_disk(self.name),
         )
 
@@ -449,7 +471,7 @@ class Agent:
         text = check_text("text", text, self._scheduler.max_text_chars)
         options = self.options.override(**settings)
         if kind in ("ask", "fork"):
-            check_tool_choice(options.tool_choice, self._tools)
+            check_tool_choice(options.tool_choice, self._state.tools)
         return Envelope(
             agent=self,
             kind=kind,
@@ -547,13 +569,16 @@ class Agent:
         responding = envelope.kind == "respond"
         if responding:  # the caller's conversation, and it runs the calls
             system, agent_tools, most_rounds = envelope.system, envelope.tools, 0
-            messages = continue_from(self._messages, envelope.conversation, self._tool_format())
+            messages = continue_from(
+                self._state.messages, envelope.conversation, self._tool_format()
+            )
         else:  # tools as they are now: use_tools() changes the next turn
-            system, agent_tools, most_rounds = self.system, self._tools, options.max_tool_rounds
-            messages = [*self._messages, Message(role="user", content=envelope.text)]
+            system, agent_tools = self._state.system, self._state.tools
+            most_rounds = options.max_tool_rounds
+            messages = [*self._state.messages, Message(role="user", content=envelope.text)]
         seed = options.seed
         if seed is not None and self.options.seed == seed:
-            seed = (seed + self._turns) % SEEDS  # each of the agent's turns its own stream
+            seed = (seed + self._state.turns) % SEEDS  # each of the agent's turns its own stream
         tools = {t.name: t for t in agent_tools} if options.tool_choice != "none" else {}
         ran: list[ToolCall] = []
         usage: Usage | None = None
@@ -578,7 +603,7 @@ class Agent:
                 if usage is None:
                     ttft = result.submitted_at + result.ttft_s - started
                 usage = _add_usage(usage, result.usage)
-                key = (self.name, self._turns, rounds)
+                key = (self.name, self._state.turns, rounds)
                 calls = (
                     self._tool_format().calls(result.text, key, agent_tools)
                     if tools and not self._answered(envelope, result.text)
@@ -604,42 +629,12 @@ class Agent:
             if held:
                 self._scheduler.undo(self.name)
             raise
-        # Commit the reply and its cache together: nothing awaits until the keeper. The
-        # cache the turn started from is held until the turn is saved (with a keeper)
-        # and, for an ask, until its caller takes the reply (see ``_deliver``).
-        before = self._snapshot()
-        saving = self._keeper is not None and self._keeper.saves_turns
-        delivering = envelope.push is None
-        hold = saving or delivering
-        self._scheduler.commit(self.name, result.blocks, hold=hold, saving=hold)
-        self._cached_tokens, self._cached_blocks = (
-            result.blocks.num_tokens,
-            result.blocks.num_blocks,
-        )
-        self._messages = [
-            *messages,
-            Message(role="assistant", content=result.text, tool_calls=calls),
-        ]
-        if responding:
-            self.system, self._tools = system, agent_tools
-        self._turns += 1
-        if saving:
-            assert self._keeper is not None
-            # The turn is kept once saved; a caller who gave up meanwhile (a cancel, a
-            # timeout) or a save that failed leaves the agent as it was before the turn,
-            # its cache included (the turn's blocks go back to the pool).
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self._keeper.changed(self)
-                except BaseException:
-                    self._undo_commit(before)
-                    raise
-                if envelope.cancelled and await self._take_back(before):
-                    return
-        # Kept on disk although its caller gave up: kept here too, over its start's
-        # cache (the take-back restored it), so nothing more to commit.
-        if not (saving and envelope.cancelled):
-            self._commit_delivered(envelope, result.blocks, before, delivering)
+        answer = Message(role="assistant", content=result.text, tool_calls=calls)
+        replaced = (system, agent_tools) if responding else None
+        if not await self._state.commit_turn(
+            envelope, result.blocks, [*messages, answer], replaced
+        ):
+            return
         assert usage is not None
         pending = tuple(c for c in calls if c.error is None)
         envelope.reply = Reply(
@@ -722,116 +717,6 @@ class Agent:
             self._grammars[key] = grammar
         return grammar
 
-    def _commit_delivered(
-        self,
-        envelope: Envelope,
-        blocks: AgentBlocks,
-        before: _Before,
-        delivering: bool,
-    ) -> None:
-        """The turn's blocks become the agent's cache for good (its start's are freed)
-        now, or, for an ask, when its caller takes the reply."""
-        if not delivering:
-            self._scheduler.commit(self.name, blocks)
-            return
-        keep = functools.partial(self._scheduler.commit, self.name, blocks)
-        self._delivered(envelope, functools.partial(self._undo_turn, envelope, before), keep)
-
-    def _delivered(
-        self,
-        envelope: Envelope,
-        undo: Callable[[], Awaitable[None]],
-        keep: Callable[[], None] | None = None,
-    ) -> None:
-        """``envelope`` is done: it goes to its caller, ``undo`` at hand (see
-        :meth:`_deliver`); ``keep`` runs when the caller takes it."""
-        envelope.delivering, envelope.keep, self._undo_delivered = True, keep, undo
-
-    async def _deliver(self, envelope: Envelope) -> None:
-        """A request's outcome is on its way: keep it once its caller takes it; undo it
-        if the caller went away first (it saw a cancel or a timeout, not the outcome).
-        A closing agent keeps it."""
-        undo, self._undo_delivered = self._undo_delivered, None
-        assert undo is not None
-        try:
-            await envelope.received.wait()
-        finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    if envelope.receipt is None:  # closing: kept
-                        envelope.take(True)
-                    elif not envelope.receipt:
-                        try:
-                            await undo()
-                        except Exception as exc:  # the caller is gone; the agent goes on
-                            self._log.error("agent.undo_failed", agent=self.name, error=repr(exc))
-                finally:
-                    envelope.settled.set()
-
-    async def _undo_turn(self, envelope: Envelope, before: _Before) -> None:
-        """Undo an ask whose caller went away (its reply stays if the state directory
-        keeps it: see :meth:`_take_back`)."""
-        if await self._take_back(before):
-            envelope.reply = None
-
-    async def _take_back(self, before: _Before) -> bool:
-        """Undo a turn committed with ``hold``: the conversation and the cache are those
-        before it, in the state directory too (the cache first, so that the save writes
-        that one). ``False`` if the directory keeps the turn (saving the agent without
-        it failed): then the conversation keeps it too, over the cache before it (a
-        prefix of it: the next turn prefills the rest)."""
-        after = self._snapshot()
-        self._undo_commit(before)
-        if not self._written_since(before.writes) or await self._save_undo():
-            return True
-        self._restore(after, cache=False)
-        return False
-
-    def _undo_commit(self, before: _Before) -> None:
-        """Take back a turn committed with ``hold``: the conversation and the cache are
-        the ones before it."""
-        self._restore(before)
-        self._scheduler.undo(self.name)
-
-    def _snapshot(self) -> _Before:
-        return _Before(
-            messages=self._messages,
-            turns=self._turns,
-            cached=(self._cached_tokens, self._cached_blocks),
-            system=self.system,
-            tools=self._tools,
-            writes=self._writes(),
-        )
-
-    def _writes(self) -> int:
-        return 0 if self._keeper is None else self._keeper.writes(self)
-
-    def _written_since(self, writes: int) -> bool:
-        """Whether the state directory may hold what changed since the keeper's count
-        was ``writes``: it saves every turn, or a save (a ``flush``) read the agent
-        since."""
-        keeper = self._keeper
-        return keeper is not None and (keeper.saves_turns or keeper.writes(self) != writes)
-
-    def _restore(self, before: _Before, *, cache: bool = True) -> None:
-        """Put back what ``before`` holds (the cache's size only with ``cache``)."""
-        self._messages, self._turns = before.messages, before.turns
-        self.system, self._tools = before.system, before.tools
-        if cache:
-            self._cached_tokens, self._cached_blocks = before.cached
-
-    async def _save_undo(self) -> bool:
-        """Save the agent as it was before a turn its caller gave up on; ``False`` if
-        that failed (the turn stays on disk, so it is kept, and a caller who timed out
-        gets the reply after all)."""
-        assert self._keeper is not None
-        try:
-            await self._keeper.rewrite(self)
-        except MlxActorsError as exc:
-            self._log.error("agent.save_failed", agent=self.name, error=str(exc))
-            return False
-        return True
-
     async def _fork(self, envelope: Envelope) -> None:
         assert self._keeper is not None and envelope.options is not None
         with anyio.CancelScope(shield=True):  # short, and must not stop half-way
@@ -842,48 +727,13 @@ class Agent:
                 await child.close()
                 return
         envelope.forked = child
-        self._delivered(envelope, functools.partial(self._unfork, envelope))
+        self._state.delivered(envelope, functools.partial(self._unfork, envelope))
 
     async def _unfork(self, envelope: Envelope) -> None:
         """Close a fork whose caller went away."""
         child, envelope.forked = envelope.forked, None
         assert child is not None
         await child.close()
-
-    async def _tell(self, envelope: Envelope) -> None:
-        assert envelope.message is not None
-        before, writes = self._messages, self._writes()
-        self._messages = [*before, envelope.message]
-        if self._keeper is not None:
-            with anyio.CancelScope(shield=True):  # short, and must not stop half-way
-                try:
-                    await self._keeper.changed(self)
-                except BaseException:
-                    self._messages = before
-                    raise
-                if envelope.cancelled:  # the caller gave up: as if never told
-                    await self._untell(before, writes)
-        if self._messages is not before:
-            self._delivered(envelope, functools.partial(self._untell, before, writes))
-
-    async def _untell(self, before: list[Message], writes: int) -> None:
-        """Take back a message whose caller went away (it stays if saving the agent
-        without it failed)."""
-        after, self._messages = self._messages, before
-        if self._written_since(writes) and not await self._save_undo():
-            self._messages = after
-
-    async def _reset(self, envelope: Envelope) -> None:
-        before = self._messages
-        self._messages, self._cached_tokens, self._cached_blocks = [], 0, 0
-        with anyio.CancelScope(shield=True):
-            await self._scheduler.forget(self.name, drop=True)
-            if self._keeper is not None:
-                try:
-                    await self._keeper.changed(self)
-                except BaseException:
-                    self._messages = before  # as the state directory still has it
-                    raise
 
     def _render(
         self,

@@ -137,14 +137,14 @@ async def test_a_flush_while_an_outcome_waits_for_its_caller_keeps_nothing_it_gi
     before its caller, cancelled meanwhile, takes it: the flush writes it, the agent then
     takes it back. Before, only the memory was undone: a process killed at that point
     reopened with a turn whose caller had seen a cancel."""
-    from mlx_actors.actors._agent import Agent
+    from mlx_actors.actors._transaction import AgentState
 
     state = tmp_path / "state"
     scopes: dict[str, anyio.CancelScope] = {}
-    delivered, abandon = Agent._delivered, Envelope.abandon
+    delivered, abandon = AgentState.delivered, Envelope.abandon
     written: list[list[str]] = []
 
-    def delivered_then_cancelled(self: Agent, envelope: Envelope, *args: Any) -> None:
+    def delivered_then_cancelled(self: AgentState, envelope: Envelope, *args: Any) -> None:
         delivered(self, envelope, *args)
         if (scope := scopes.pop(self.name, None)) is not None:
             scope.cancel()  # the caller gives up before it could take the outcome
@@ -156,7 +156,7 @@ async def test_a_flush_while_an_outcome_waits_for_its_caller_keeps_nothing_it_gi
             written.append([m["content"] for m in records_on_disk(state, self.agent.name)])
         await abandon(self)
 
-    monkeypatch.setattr(Agent, "_delivered", delivered_then_cancelled)
+    monkeypatch.setattr(AgentState, "delivered", delivered_then_cancelled)
     monkeypatch.setattr(Envelope, "abandon", flush_then_abandon)
     with anyio.fail_after(60):
         async with Runtime(
