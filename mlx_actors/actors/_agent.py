@@ -394,7 +394,7 @@ class Agent:
         envelope.mailbox_size = mailbox_size
         await envelope.send()
         await envelope.outcome()
-        assert envelope.forked is not None
+        assert isinstance(envelope.forked, Agent)
         return envelope.forked
 
     async def close(self) -> None:
@@ -513,6 +513,12 @@ class Agent:
         """The error of a request that comes after the agent stopped."""
         return self._mailbox.closed_error()
 
+    async def _post(self, envelope: Envelope) -> None:
+        await self._mailbox.put(envelope)
+
+    def _withdraw(self) -> None:
+        self._mailbox.withdraw()
+
     async def _stop(self, error: MlxActorsError, *, wait: bool = True) -> None:
         """Cancel the running turn, fail the queued ones with ``error`` and end the task;
         with ``wait``, until it has ended."""
@@ -540,5 +546,5 @@ class Agent:
     async def _unfork(self, envelope: Envelope) -> None:
         """Close a fork whose caller went away."""
         child, envelope.forked = envelope.forked, None
-        assert child is not None
+        assert isinstance(child, Agent)
         await child.close()
