@@ -2,56 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import itertools
-import json
 import math
-import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import anyio
 import attrs
-import jinja2
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectSendStream
 from typing_extensions import Unpack
 
-from ..errors import (
-    AgentClosedError,
-    InvalidRequestError,
-    MlxActorsError,
-    ReplyFormatError,
-    RuntimeClosedError,
-)
-from ..scheduler import (
-    SEEDS,
-    AgentBlocks,
-    Scheduler,
-    Turn,
-    Usage,
-    json_schema,
-    parse_reply,
-    schema_grammar,
-)
-from ._conversation import check_conversation, continue_from
-from ._envelope import Envelope, handling, running
-from ._render import Renderer, Rendering, renderer_for
+from ..errors import AgentClosedError, InvalidRequestError, MlxActorsError
+from ..scheduler import Scheduler, schema_grammar
+from ._conversation import check_conversation
+from ._envelope import Envelope, running
+from ._mailbox import Mailbox
 from ._reply import Message, Reply, TurnStream
-from ._settings import (
-    TurnOptions,
-    TurnSettings,
-    check_name,
-    check_text,
-    check_timeout,
-)
-from ._tool_format import ToolFormat, tool_format
-from ._tools import Tool, ToolCall, as_tools, check_tool_choice, named_tools, run_call
-
-#: Conversations of fewer characters are rendered on the event loop (under two milliseconds
-#: on a small CPU); longer ones on a worker thread, so that the loop never waits on them.
-RENDER_ON_LOOP = 4_000
+from ._settings import TurnOptions, TurnSettings, check_name, check_text, check_timeout
+from ._tools import Tool, as_tools, check_tool_choice
+from ._transaction import AgentState
+from ._turn import TurnRunner
 
 
 @attrs.frozen(kw_only=True)
@@ -113,16 +83,24 @@ class Keeper(Protocol):
 
 
 @attrs.frozen
-class _Before:
-    """What a turn changes, as it was before the turn: what undoing it restores."""
+class _Saves:
+    """The keeper, for one agent (what its state saves through)."""
 
-    messages: list[Message]
-    turns: int
-    cached: tuple[int, int]
-    system: str | None
-    tools: tuple[Tool, ...]
-    #: The keeper's count of the agent's saves (see :meth:`Keeper.writes`).
-    writes: int
+    keeper: Keeper
+    agent: Agent
+
+    @property
+    def saves_turns(self) -> bool:
+        return self.keeper.saves_turns
+
+    async def changed(self) -> None:
+        await self.keeper.changed(self.agent)
+
+    def writes(self) -> int:
+        return self.keeper.writes(self.agent)
+
+    async def rewrite(self) -> None:
+        await self.keeper.rewrite(self.agent)
 
 
 class Agent:
@@ -151,33 +129,39 @@ class Agent:
         tools: Sequence[Tool] = (),
     ) -> None:
         self.name = name
-        self.system = system
         self.options = options
-        self._tools = tuple(tools)
-        self._format: ToolFormat | None = None
-        #: How to undo the request on its way to its caller (see ``_deliver``).
-        self._undo_delivered: Callable[[], Awaitable[None]] | None = None
-        #: Grammars of required calls and tool-or-answer replies, compiled once each.
-        self._grammars: dict[tuple[tuple[Tool, ...], str], str] = {}
+        self._state = AgentState(
+            name,
+            scheduler,
+            log=log,
+            saves=None if keeper is None else _Saves(keeper, self),
+            system=system,
+            tools=tools,
+            messages=messages,
+            turns=turns,
+            cached=cached,
+        )
         self._scheduler = scheduler
-        self._renderer: Renderer = renderer_for(scheduler.tokenizer)
-        #: The last rendering of the conversation: the next one encodes only what changed.
-        self._rendering: Rendering | None = None
+        self._turns = TurnRunner(name, scheduler, self._state)
         self._log = log
-        self._on_stopped = on_stopped
         self._keeper = keeper
-        self._mailbox, self._inbox = anyio.create_memory_object_stream[Envelope](mailbox_size)
-        self._messages: list[Message] = list(messages)
-        self._cached_tokens, self._cached_blocks = cached
-        self._turns = turns
-        self._abandoned = 0  # cancelled requests still in the mailbox
-        self._scope = anyio.CancelScope()
-        self._stopped = anyio.Event()
-        self._closing: MlxActorsError | None = None
+        self._mailbox = Mailbox(
+            name,
+            mailbox_size,
+            handlers={
+                "ask": self._turn,
+                "respond": self._turn,
+                "tell": self._state.tell,
+                "fork": self._fork,
+                "reset": self._state.reset,
+            },
+            deliver=self._state.deliver,
+            on_stopped=functools.partial(on_stopped, self),
+        )
         self._close_done: anyio.Event | None = None
 
     def __repr__(self) -> str:
-        return f"<Agent {self.name!r}, {len(self._messages)} messages>"
+        return f"<Agent {self.name!r}, {len(self._state.messages)} messages>"
 
     # -- the public face --------------------------------------------------------------------
 
@@ -185,21 +169,30 @@ class Agent:
     def history(self) -> tuple[Message, ...]:
         """The conversation: the system prompt (if any), then user and assistant turns."""
         system = (Message(role="system", content=self.system),) if self.system else ()
-        return (*system, *self._messages)
+        return (*system, *self._state.messages)
+
+    @property
+    def system(self) -> str | None:
+        """The system prompt (``None``: none)."""
+        return self._state.system
+
+    @system.setter
+    def system(self, system: str | None) -> None:
+        self._state.system = system
 
     @property
     def cached_tokens(self) -> int:
         """Tokens of the conversation held in the agent's KV cache."""
-        return self._cached_tokens
+        return self._state.cached_tokens
 
     @property
     def closed(self) -> bool:
-        return self._closing is not None
+        return self._mailbox.closing is not None
 
     @property
     def tools(self) -> tuple[Tool, ...]:
         """The tools the agent may call (see ``spawn(tools=...)``)."""
-        return self._tools
+        return self._state.tools
 
     def use_tools(self, tools: Sequence[Callable[..., Any] | Tool]) -> None:
         """Replace the agent's tools from its next turn on (an agent brought back from a
@@ -209,16 +202,15 @@ class Agent:
         self._check_loop()
         made = as_tools(tools)
         check_tool_choice(self.options.tool_choice, made)
-        self._tools = made
+        self._state.tools = made
 
     def statistics(self) -> AgentStatistics:
-        mailbox = self._mailbox.statistics()
         return AgentStatistics(
-            queued=mailbox.current_buffer_used - self._abandoned,
-            senders_waiting=mailbox.tasks_waiting_send,
-            turns=self._turns,
-            cached_tokens=self._cached_tokens,
-            cached_blocks=self._cached_blocks,
+            queued=self._mailbox.queued(),
+            senders_waiting=self._mailbox.senders_waiting(),
+            turns=self._state.turns,
+            cached_tokens=self._state.cached_tokens,
+            cached_blocks=self._state.cached_blocks,
             on_disk=self._scheduler.on_disk(self.name),
         )
 
@@ -402,7 +394,7 @@ class Agent:
         envelope.mailbox_size = mailbox_size
         await envelope.send()
         await envelope.outcome()
-        assert envelope.forked is not None
+        assert isinstance(envelope.forked, Agent)
         return envelope.forked
 
     async def close(self) -> None:
@@ -443,7 +435,7 @@ class Agent:
         text = check_text("text", text, self._scheduler.max_text_chars)
         options = self.options.override(**settings)
         if kind in ("ask", "fork"):
-            check_tool_choice(options.tool_choice, self._tools)
+            check_tool_choice(options.tool_choice, self._state.tools)
         return Envelope(
             agent=self,
             kind=kind,
@@ -484,7 +476,7 @@ class Agent:
         )
 
     def _check_open(self) -> None:
-        if self._closing is not None:
+        if self._mailbox.closing is not None:
             raise self._closed_error()
         self._check_loop()
 
@@ -519,369 +511,25 @@ class Agent:
 
     def _closed_error(self) -> MlxActorsError:
         """The error of a request that comes after the agent stopped."""
-        if isinstance(self._closing, RuntimeClosedError):
-            return RuntimeClosedError(
-                f"agent {self.name!r} takes no more requests: its runtime has shut down "
-                "(call agents inside `async with Runtime(...) as rt:`)"
-            )
-        return self._closing or AgentClosedError(f"agent {self.name!r} is closed")
+        return self._mailbox.closed_error()
+
+    async def _post(self, envelope: Envelope) -> None:
+        await self._mailbox.put(envelope)
+
+    def _withdraw(self) -> None:
+        self._mailbox.withdraw()
 
     async def _stop(self, error: MlxActorsError, *, wait: bool = True) -> None:
         """Cancel the running turn, fail the queued ones with ``error`` and end the task;
         with ``wait``, until it has ended."""
-        if self._closing is None:
-            self._closing = error
-            self._mailbox.close()
-            self._scope.cancel()
-        if wait:
-            with anyio.CancelScope(shield=True):
-                await self._stopped.wait()
+        await self._mailbox.stop(error, wait=wait)
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The agent's task: take envelopes from the mailbox, one at a time."""
-        try:
-            with self._scope:
-                task_status.started()
-                async for envelope in self._inbox:
-                    envelope.in_mailbox = False
-                    if envelope.cancelled:
-                        self._abandoned -= 1
-                    else:
-                        await self._handle(envelope)
-        finally:
-            self._closing = self._closing or RuntimeClosedError("the runtime shut down")
-            self._mailbox.close()
-            # Answer what is still queued, then close: blocked senders get the error too.
-            while True:
-                try:
-                    envelope = self._inbox.receive_nowait()
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    break
-                envelope.error = self._closing
-                envelope.finish()
-            self._inbox.close()
-            self._stopped.set()
-            self._on_stopped(self)
-
-    async def _handle(self, envelope: Envelope) -> None:
-        token = handling.set((*envelope.senders, envelope))
-        try:
-            with anyio.CancelScope() as envelope.scope:
-                try:
-                    if envelope.kind == "reset":
-                        await self._reset()
-                    elif envelope.kind == "fork":
-                        await self._fork(envelope)
-                    elif envelope.kind == "tell":
-                        await self._tell(envelope)
-                    else:
-                        await self._turn(envelope)
-                    envelope.completed = True
-                except Exception as exc:
-                    envelope.error = exc
-        finally:
-            if not envelope.completed and envelope.error is None:
-                envelope.error = self._closing or MlxActorsError("the turn was cancelled")
-            handling.reset(token)
-            envelope.finish()
-        if envelope.delivering:
-            await self._deliver(envelope)
+        await self._mailbox.serve(task_status=task_status)
 
     async def _turn(self, envelope: Envelope) -> None:
-        """One ask (or respond): the reply, and with tools every round of calls before
-        it. Rounds after the first commit their cache with ``hold``; if the ask fails,
-        the agent's cache is undone to the one it started from, and its conversation
-        never changed."""
-        assert envelope.options is not None
-        started = time.perf_counter()
-        options = envelope.options
-        responding = envelope.kind == "respond"
-        if responding:  # the caller's conversation, and it runs the calls
-            system, agent_tools, most_rounds = envelope.system, envelope.tools, 0
-            messages = continue_from(self._messages, envelope.conversation, self._tool_format())
-        else:  # tools as they are now: use_tools() changes the next turn
-            system, agent_tools, most_rounds = self.system, self._tools, options.max_tool_rounds
-            messages = [*self._messages, Message(role="user", content=envelope.text)]
-        seed = options.seed
-        if seed is not None and self.options.seed == seed:
-            seed = (seed + self._turns) % SEEDS  # each of the agent's turns its own stream
-        tools = {t.name: t for t in agent_tools} if options.tool_choice != "none" else {}
-        ran: list[ToolCall] = []
-        usage: Usage | None = None
-        ttft = 0.0
-        held = False
-        loose: AgentBlocks | None = None  # a round's blocks not yet given back or kept
-        try:
-            for rounds in itertools.count():
-                turn = Turn(
-                    agent=self.name,
-                    tokens=await self._tokens(messages, agent_tools, system),
-                    max_tokens=options.max_tokens,
-                    sampling=options.sampling(seed if rounds == 0 else _round_seed(seed, rounds)),
-                    stop=options.stop,
-                    grammar=await self._grammar(envelope, options, agent_tools, rounds == 0),
-                    on_text=_pusher(envelope.push) if envelope.push is not None else None,
-                )
-                result = await self._scheduler.run_turn(
-                    turn, sent=envelope.arrived if rounds == 0 else None
-                )
-                loose = result.blocks
-                if usage is None:
-                    ttft = result.submitted_at + result.ttft_s - started
-                usage = _add_usage(usage, result.usage)
-                key = (self.name, self._turns, rounds)
-                calls = (
-                    self._tool_format().calls(result.text, key, agent_tools)
-                    if tools and not self._answered(envelope, result.text)
-                    else ()
-                )
-                if not calls or rounds >= most_rounds:
-                    break
-                self._scheduler.commit(self.name, result.blocks, hold=True)
-                loose, held = None, True
-                messages.append(Message(role="assistant", content=result.text, tool_calls=calls))
-                for call in calls:
-                    done, text = await run_call(call, tools)
-                    ran.append(done)
-                    messages.append(
-                        Message(role="tool", content=text, name=call.name, tool_call_id=call.id)
-                    )
-            data = None
-            if envelope.schema is not None and not calls:
-                data = _data(result.text, envelope.schema, raises=not responding)
-        except BaseException:
-            if loose is not None:
-                self._scheduler.release(self.name, loose)
-            if held:
-                self._scheduler.undo(self.name)
-            raise
-        # Commit the reply and its cache together: nothing awaits until the keeper. The
-        # cache the turn started from is held until the turn is saved (with a keeper)
-        # and, for an ask, until its caller takes the reply (see ``_deliver``).
-        before = self._snapshot()
-        saving = self._keeper is not None and self._keeper.saves_turns
-        delivering = envelope.push is None
-        hold = saving or delivering
-        self._scheduler.commit(self.name, result.blocks, hold=hold, saving=hold)
-        self._cached_tokens, self._cached_blocks = (
-            result.blocks.num_tokens,
-            result.blocks.num_blocks,
-        )
-        self._messages = [
-            *messages,
-            Message(role="assistant", content=result.text, tool_calls=calls),
-        ]
-        if responding:
-            self.system, self._tools = system, agent_tools
-        self._turns += 1
-        if saving:
-            assert self._keeper is not None
-            # The turn is kept once saved; a caller who gave up meanwhile (a cancel, a
-            # timeout) or a save that failed leaves the agent as it was before the turn,
-            # its cache included (the turn's blocks go back to the pool).
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self._keeper.changed(self)
-                except BaseException:
-                    self._undo_commit(before)
-                    raise
-                if envelope.cancelled and await self._take_back(before):
-                    return
-        # Kept on disk although its caller gave up: kept here too, over its start's
-        # cache (the take-back restored it), so nothing more to commit.
-        if not (saving and envelope.cancelled):
-            self._commit_delivered(envelope, result.blocks, before, delivering)
-        assert usage is not None
-        pending = tuple(c for c in calls if c.error is None)
-        envelope.reply = Reply(
-            text=result.text,
-            tokens=result.tokens,
-            finish_reason="tool_calls" if pending else result.finish_reason,
-            stop=result.stop,
-            pending_calls=pending,
-            logprobs=result.logprobs,
-            top_logprobs=result.top_logprobs,
-            data=data,
-            tool_calls=tuple(ran),
-            usage=usage,
-            ttft_s=ttft,
-            total_s=time.perf_counter() - started,
-        )
-
-    async def _tokens(
-        self, messages: list[Message], tools: Sequence[Tool], system: str | None
-    ) -> list[int]:
-        """The conversation rendered as the model reads it: on the event loop when it is
-        short and the tokenizer is free, else on a worker thread.
-
-        Raises:
-            InvalidRequestError: the chat template refused the conversation.
-        """
-        lock = self._scheduler.tokenizer_lock
-        size = sum(len(m.content) for m in messages) + len(system or "")
-        size += sum(len(json.dumps(t.spec())) for t in tools)
-        try:
-            if size < RENDER_ON_LOOP and lock.acquire(blocking=False):  # quick, and free
-                try:
-                    return self._render(messages, tools, system, locked=True)
-                finally:
-                    lock.release()
-            return await anyio.to_thread.run_sync(
-                functools.partial(self._render, messages, tools, system), abandon_on_cancel=True
-            )
-        except jinja2.TemplateError as exc:
-            raise InvalidRequestError(
-                f"the model's chat template refused the conversation: {exc}"
-            ) from None
-
-    def _tool_format(self) -> ToolFormat:
-        if self._format is None:
-            self._format = tool_format(self._scheduler.tokenizer)
-        return self._format
-
-    def _answered(self, envelope: Envelope, text: str) -> bool:
-        """Whether a reply under ``schema`` took the answer's branch of its grammar (a
-        call starts with the call's opening): then it holds no call, whatever its text
-        says."""
-        start = self._tool_format().start
-        return envelope.schema is not None and not text.lstrip().startswith(start)
-
-    async def _grammar(
-        self, envelope: Envelope, options: TurnOptions, tools: tuple[Tool, ...], first: bool
-    ) -> str | None:
-        """What a round's reply must follow: a call on the first round when one is
-        required; with ``schema``, the answer (or, with tools, a call or the answer).
-        Compiled once per tools, choice and schema, on a worker thread."""
-        choice = options.tool_choice
-        if not tools or choice == "none":
-            return envelope.grammar
-        if first and choice != "auto":
-            chosen = tools if choice == "required" else named_tools(choice, tools)
-            answer = None
-        elif envelope.schema is None:
-            return None
-        else:
-            chosen, answer = tools, json_schema(envelope.schema)
-        key = (chosen, json.dumps(answer, sort_keys=True))
-        grammar = self._grammars.get(key)
-        if grammar is None:
-            grammar = await anyio.to_thread.run_sync(
-                self._tool_format().call_grammar, chosen, answer
-            )
-            if len(self._grammars) >= 16:
-                self._grammars.clear()
-            self._grammars[key] = grammar
-        return grammar
-
-    def _commit_delivered(
-        self,
-        envelope: Envelope,
-        blocks: AgentBlocks,
-        before: _Before,
-        delivering: bool,
-    ) -> None:
-        """The turn's blocks become the agent's cache for good (its start's are freed)
-        now, or, for an ask, when its caller takes the reply."""
-        if not delivering:
-            self._scheduler.commit(self.name, blocks)
-            return
-        keep = functools.partial(self._scheduler.commit, self.name, blocks)
-        self._delivered(envelope, functools.partial(self._undo_turn, envelope, before), keep)
-
-    def _delivered(
-        self,
-        envelope: Envelope,
-        undo: Callable[[], Awaitable[None]],
-        keep: Callable[[], None] | None = None,
-    ) -> None:
-        """``envelope`` is done: it goes to its caller, ``undo`` at hand (see
-        :meth:`_deliver`); ``keep`` runs when the caller takes it."""
-        envelope.delivering, envelope.keep, self._undo_delivered = True, keep, undo
-
-    async def _deliver(self, envelope: Envelope) -> None:
-        """A request's outcome is on its way: keep it once its caller takes it; undo it
-        if the caller went away first (it saw a cancel or a timeout, not the outcome).
-        A closing agent keeps it."""
-        undo, self._undo_delivered = self._undo_delivered, None
-        assert undo is not None
-        try:
-            await envelope.received.wait()
-        finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    if envelope.receipt is None:  # closing: kept
-                        envelope.take(True)
-                    elif not envelope.receipt:
-                        try:
-                            await undo()
-                        except Exception as exc:  # the caller is gone; the agent goes on
-                            self._log.error("agent.undo_failed", agent=self.name, error=repr(exc))
-                finally:
-                    envelope.settled.set()
-
-    async def _undo_turn(self, envelope: Envelope, before: _Before) -> None:
-        """Undo an ask whose caller went away (its reply stays if the state directory
-        keeps it: see :meth:`_take_back`)."""
-        if await self._take_back(before):
-            envelope.reply = None
-
-    async def _take_back(self, before: _Before) -> bool:
-        """Undo a turn committed with ``hold``: the conversation and the cache are those
-        before it, in the state directory too (the cache first, so that the save writes
-        that one). ``False`` if the directory keeps the turn (saving the agent without
-        it failed): then the conversation keeps it too, over the cache before it (a
-        prefix of it: the next turn prefills the rest)."""
-        after = self._snapshot()
-        self._undo_commit(before)
-        if not self._written_since(before.writes) or await self._save_undo():
-            return True
-        self._restore(after, cache=False)
-        return False
-
-    def _undo_commit(self, before: _Before) -> None:
-        """Take back a turn committed with ``hold``: the conversation and the cache are
-        the ones before it."""
-        self._restore(before)
-        self._scheduler.undo(self.name)
-
-    def _snapshot(self) -> _Before:
-        return _Before(
-            messages=self._messages,
-            turns=self._turns,
-            cached=(self._cached_tokens, self._cached_blocks),
-            system=self.system,
-            tools=self._tools,
-            writes=self._writes(),
-        )
-
-    def _writes(self) -> int:
-        return 0 if self._keeper is None else self._keeper.writes(self)
-
-    def _written_since(self, writes: int) -> bool:
-        """Whether the state directory may hold what changed since the keeper's count
-        was ``writes``: it saves every turn, or a save (a ``flush``) read the agent
-        since."""
-        keeper = self._keeper
-        return keeper is not None and (keeper.saves_turns or keeper.writes(self) != writes)
-
-    def _restore(self, before: _Before, *, cache: bool = True) -> None:
-        """Put back what ``before`` holds (the cache's size only with ``cache``)."""
-        self._messages, self._turns = before.messages, before.turns
-        self.system, self._tools = before.system, before.tools
-        if cache:
-            self._cached_tokens, self._cached_blocks = before.cached
-
-    async def _save_undo(self) -> bool:
-        """Save the agent as it was before a turn its caller gave up on; ``False`` if
-        that failed (the turn stays on disk, so it is kept, and a caller who timed out
-        gets the reply after all)."""
-        assert self._keeper is not None
-        try:
-            await self._keeper.rewrite(self)
-        except MlxActorsError as exc:
-            self._log.error("agent.save_failed", agent=self.name, error=str(exc))
-            return False
-        return True
+        await self._turns.run(envelope, self.options)
 
     async def _fork(self, envelope: Envelope) -> None:
         assert self._keeper is not None and envelope.options is not None
@@ -893,100 +541,10 @@ class Agent:
                 await child.close()
                 return
         envelope.forked = child
-        self._delivered(envelope, functools.partial(self._unfork, envelope))
+        self._state.delivered(envelope, functools.partial(self._unfork, envelope))
 
     async def _unfork(self, envelope: Envelope) -> None:
         """Close a fork whose caller went away."""
         child, envelope.forked = envelope.forked, None
-        assert child is not None
+        assert isinstance(child, Agent)
         await child.close()
-
-    async def _tell(self, envelope: Envelope) -> None:
-        assert envelope.message is not None
-        before, writes = self._messages, self._writes()
-        self._messages = [*before, envelope.message]
-        if self._keeper is not None:
-            with anyio.CancelScope(shield=True):  # short, and must not stop half-way
-                try:
-                    await self._keeper.changed(self)
-                except BaseException:
-                    self._messages = before
-                    raise
-                if envelope.cancelled:  # the caller gave up: as if never told
-                    await self._untell(before, writes)
-        if self._messages is not before:
-            self._delivered(envelope, functools.partial(self._untell, before, writes))
-
-    async def _untell(self, before: list[Message], writes: int) -> None:
-        """Take back a message whose caller went away (it stays if saving the agent
-        without it failed)."""
-        after, self._messages = self._messages, before
-        if self._written_since(writes) and not await self._save_undo():
-            self._messages = after
-
-    async def _reset(self) -> None:
-        before = self._messages
-        self._messages, self._cached_tokens, self._cached_blocks = [], 0, 0
-        with anyio.CancelScope(shield=True):
-            await self._scheduler.forget(self.name, drop=True)
-            if self._keeper is not None:
-                try:
-                    await self._keeper.changed(self)
-                except BaseException:
-                    self._messages = before  # as the state directory still has it
-                    raise
-
-    def _render(
-        self,
-        messages: list[Message],
-        tools: Sequence[Tool],
-        system: str | None,
-        *,
-        locked: bool = False,
-    ) -> list[int]:
-        """The conversation as the model reads it, under the tokenizer's lock (it is
-        not thread-safe; ``locked``: the caller holds it). Only what changed since the
-        last rendering is tokenised again."""
-        extra: dict[str, Any] = {}
-        if tools or any(m.role == "tool" or m.tool_calls for m in messages):
-            conversation, extra = self._tool_format().conversation(system, messages, tools)
-        else:
-            head = [Message(role="system", content=system)] if system else []
-            conversation = [m.as_dict() for m in (*head, *messages)]
-        with contextlib.nullcontext() if locked else self._scheduler.tokenizer_lock:
-            self._rendering = self._renderer.render(conversation, self._rendering, **extra)
-        return list(self._rendering.tokens)
-
-
-def _data(text: str, schema: Any, *, raises: bool) -> Any:
-    """The reply's value under ``schema``; unless ``raises``, ``None`` for a reply that
-    is not a complete value (instead of :class:`ReplyFormatError`)."""
-    try:
-        return parse_reply(text, schema)
-    except ReplyFormatError:
-        if raises:
-            raise
-        return None
-
-
-def _add_usage(total: Usage | None, more: Usage) -> Usage:
-    if total is None:
-        return more
-    return Usage(
-        **{a.name: getattr(total, a.name) + getattr(more, a.name) for a in attrs.fields(Usage)}
-    )
-
-
-def _round_seed(seed: int | None, rounds: int) -> int | None:
-    """A later round's seed: its own stream, reproducible from the turn's."""
-    return None if seed is None else (seed + 7919 * rounds) % SEEDS
-
-
-def _pusher(push: MemoryObjectSendStream[str]) -> Callable[[str], None]:
-    """A text callback that never raises: a reader that went away just stops reading."""
-
-    def send(piece: str) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-            push.send_nowait(piece)
-
-    return send

@@ -6,19 +6,44 @@ from __future__ import annotations
 import contextvars
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import anyio
 import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..errors import TurnTimeoutError
+from ..errors import MlxActorsError, TurnTimeoutError
+from ..scheduler import Scheduler
 from ._reply import Message, Reply
 from ._settings import TurnOptions
 from ._tools import Tool
 
-if TYPE_CHECKING:
-    from ._agent import Agent
+
+class Addressee(Protocol):
+    """What an envelope needs of the agent it is sent to (an :class:`Agent`, which
+    imports this module: not the other way round)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def _scheduler(self) -> Scheduler: ...
+
+    def _check_outside(self) -> tuple[Envelope, ...]:
+        """The requests this call comes from (refused if one is the agent's own)."""
+        ...
+
+    async def _post(self, envelope: Envelope) -> None:
+        """Put ``envelope`` in the mailbox (anyio's closed or broken resource errors
+        if it takes no more)."""
+
+    def _closed_error(self) -> MlxActorsError:
+        """The error of a request that comes after the agent stopped."""
+        ...
+
+    def _withdraw(self) -> None:
+        """A request in the mailbox was cancelled: the agent will skip it."""
+
 
 #: The requests this task is handling, outermost first: the one its agent is running,
 #: and those whose tools sent it there. A tool (on the event loop or a worker thread)
@@ -35,7 +60,7 @@ def running() -> tuple[Envelope, ...]:
     return tuple(e for e in handling.get() if not e.done.is_set())
 
 
-def running_here() -> frozenset[Agent]:
+def running_here() -> frozenset[Addressee]:
     """The agents whose turns the calling code runs inside (a tool's, or what a tool
     called): stopping one of them must not wait for it, since that would wait for
     itself."""
@@ -46,7 +71,7 @@ def running_here() -> frozenset[Agent]:
 class Envelope:
     """A request in an agent's mailbox, and the caller's handle on its outcome."""
 
-    agent: Agent
+    agent: Addressee
     kind: Literal["ask", "respond", "reset", "fork", "tell"]
     text: str = ""
     #: ``respond``'s conversation, system prompt and tools (in place of the agent's).
@@ -60,7 +85,7 @@ class Envelope:
     schema: Any = None
     grammar: str | None = None
     mailbox_size: int | None = None
-    forked: Agent | None = None
+    forked: Addressee | None = None
     timeout: float | None = None
     pieces: MemoryObjectReceiveStream[str] | None = None
     push: MemoryObjectSendStream[str] | None = None
@@ -110,7 +135,7 @@ class Envelope:
             self.deadline = anyio.current_time() + self.timeout
         try:
             with anyio.fail_after(self.deadline_in()):
-                await self.agent._mailbox.send(self)
+                await self.agent._post(self)
             self.in_mailbox = True
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             raise self.agent._closed_error() from None
@@ -152,7 +177,7 @@ class Envelope:
             self.scope.cancel()  # running: the agent rolls back, then finishes it
         else:
             if self.in_mailbox:  # still queued: the agent will skip it
-                self.agent._abandoned += 1
+                self.agent._withdraw()
             self.finish()
 
     async def abandon(self) -> None:

@@ -1,2 +1,2 @@
-"""The actors: agents, their mailboxes, tools, respond, rendering, and what a hostile
-caller tries."""
+"""The actors: agents, their mailboxes, tools, respond, rendering, requests given up
+(cancellation), bursts, and the direction of their imports."""

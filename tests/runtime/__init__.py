@@ -1,1 +1,2 @@
-"""The runtime: persistence and adoption, the default model and GGUF, Ctrl-C, the trace."""
+"""The runtime: persistence, a damaged or full state directory, closing, adoption, the
+default model and GGUF, Ctrl-C, the trace."""

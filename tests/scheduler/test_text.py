@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,23 @@ async def test_the_next_turn_reuses_a_reply_that_began_with_a_space(tiny_dir: Pa
         second = await agent.ask("And then?")
         cached = first.usage.prompt_tokens + first.usage.generated_tokens
         assert second.usage.reusable_tokens == second.usage.cached_tokens == cached
+
+
+def test_the_stop_matcher_agrees_with_the_obvious_one() -> None:
+    rng = random.Random(5)
+
+    def obvious(text: str, emitted: int, stops: list[str]) -> int:
+        longest = 0
+        for stop in stops:
+            for k in range(min(len(stop) - 1, len(text) - emitted), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+    for _ in range(3000):
+        stops = ["".join(rng.choices("ab", k=rng.randint(1, 6))) for _ in range(rng.randint(1, 5))]
+        text = "".join(rng.choices("abc", k=rng.randint(0, 12)))
+        stream = TextStream(None, tuple(stops))
+        stream._emitted = rng.randint(0, len(text))
+        assert stream._held_back(text) == obvious(text, stream._emitted, stops)
