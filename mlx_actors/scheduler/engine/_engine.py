@@ -4,42 +4,36 @@ tokens they hold so that any sequence starts from the longest prefix any agent c
 
 from __future__ import annotations
 
-import enum
 import itertools
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-import attrs
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.generate import BatchGenerator
 
 from ...errors import (
-    ContextLengthError,
     EngineError,
     InvalidRequestError,
     MlxActorsError,
     PoolExhaustedError,
 )
 from ..kv._blocks import (
-    blocks_needed,
-    check_blocks,
-    checkpoint_blocks,
-    checkpoint_copies,
     evaluate,
-    from_cache,
     make_cache,
     pieces,
     plan_cut,
     to_cache,
 )
-from ..kv._pool import AgentBlocks, BlockPool, KVBlock, Reservation
-from ..kv._prefix import Piece, PrefixIndex, Source
+from ..kv._pool import AgentBlocks, BlockPool
+from ..kv._prefix import PrefixIndex
 from ..kv._spec import BLOCK_SIZE, ModelCacheSpec
-from ..kv._tokens import common_prefix
+from ._intake import Intake
+from ._output import Output
 from ._pacing import Pacing
 from ._pacing import chunk as fit
+from ._planner import Planner
 from ._prefill import PrefillJob, snapshot
 from ._records import (
     Admission,
@@ -47,80 +41,14 @@ from ._records import (
     EngineStatistics,
     FinishReason,
     LogitsProcessor,
-    Sampler,
     Sampling,
     StepInfo,
     TokenEvent,
-    Usage,
-    check_stops,
 )
+from ._sequence import EngineSequence, SequenceState
 from ._solo import KeptCaches, Solo, kept_for
-from ._text import TextStream
 
 _AUTO: Any = object()
-
-
-class _State(enum.Enum):
-    """Where a sequence is."""
-
-    #: Starts at the next step.
-    PENDING = "pending"
-    #: Waits for a prefill job's checkpoint.
-    PARKED = "parked"
-    #: Its own prefill job runs.
-    JOB = "job"
-    #: In the ``BatchGenerator``'s batch.
-    RUNNING = "running"
-    #: Decoding alone, outside the batch (:class:`Solo`).
-    SOLO = "solo"
-
-
-@attrs.define(eq=False)
-class _Sequence:
-    uid: int
-    agent_id: str
-    namespace: Hashable
-    #: The whole prompt.
-    tokens: list[int]
-    #: Tokens of the caller's own cache that agree with the prompt.
-    kept: int
-    #: The caller's own cache (its agent holds it while the sequence runs).
-    own: AgentBlocks | None
-    #: The caller's anchors on the prompt's path, and shared prefixes it started from.
-    anchors: tuple[int, ...]
-    budget: int
-    sampler: Sampler | None
-    #: Logits processors (penalties, a bias, a constraint); they read the whole
-    #: sequence's tokens, history included.
-    processors: list[LogitsProcessor]
-    #: Record each token's log-probability (``logprobs``), and the ``top`` most likely.
-    logprobs: list[float] | None
-    top: int
-    text: TextStream
-    on_token: Callable[[TokenEvent], None] | None
-    submitted: float
-    state: _State = _State.PENDING
-    source: Source = attrs.field(factory=lambda: Source(length=0, layers=()))
-    #: References it holds until it finishes: its source's blocks and more.
-    held: list[KVBlock] = attrs.Factory(list)
-    reservation: Reservation | None = None
-    job: PrefillJob | None = None
-    waiting: tuple[PrefillJob, int] | None = None
-    #: The cache of the checkpoint it waited for (views of the job's), to start from.
-    seed: list[Any] | None = None
-    admission: Admission | None = None
-    gen_uid: int | None = None
-    generated: list[int] = attrs.Factory(list)
-    prefilled: int = 0
-    #: In the batch with prompt tokens left to prefill.
-    prompting: bool = False
-    first_token: float | None = None
-    #: Per layer, the pieces of the cache at ``kept`` (where the turn's new tokens
-    #: begin), when they are not the source's: kept as the sliding layers' checkpoint.
-    checkpoint: tuple[tuple[Piece, ...], ...] | None = None
-    #: References to the checkpoint's blocks, when a prefill job of another made them.
-    kept_blocks: list[KVBlock] = attrs.Factory(list)
-    top_logprobs: list[tuple[tuple[int, float], ...]] = attrs.Factory(list)
 
 
 class BlockPoolBatchEngine:
@@ -226,7 +154,14 @@ class BlockPoolBatchEngine:
             index = PrefixIndex(self.spec)
             pool.on_release(index.detach)
         self.index = index
-        self._make_room = make_room
+        self.planner = Planner(
+            self.spec,
+            pool,
+            index,
+            share_prefixes=share_prefixes,
+            min_shared=min_shared,
+            make_room=make_room,
+        )
         self._generator_options = dict(
             completion_batch_size=max_batch_size,
             # Long prompts and long histories are prefilled as jobs: what joins the
@@ -239,25 +174,23 @@ class BlockPoolBatchEngine:
         self._eos = frozenset(tokenizer.eos_token_ids)
         #: The width of the model's logits (token ids it can read and produce).
         self.vocab_size = _vocab_size(model, tokenizer)
+        self._intake = Intake(self.spec, pool, tokenizer, self.vocab_size)
         self._generator = BatchGenerator(model, **self._generator_options)
         self._uids = itertools.count()
-        self._sequences: dict[int, _Sequence] = {}
-        self._running: dict[int, _Sequence] = {}  # by the generator's uid
-        self._pending: list[_Sequence] = []
-        self._jobs: list[PrefillJob] = []
+        self._sequences: dict[int, EngineSequence] = {}
+        self._running: dict[int, EngineSequence] = {}  # by the generator's uid
         #: The sequence decoding alone, outside the generator, and how.
-        self._solo: tuple[_Sequence, Solo] | None = None
-        #: Finished while being handed to the generator, and tokens emitted, this step.
+        self._solo: tuple[EngineSequence, Solo] | None = None
+        #: Finished while being handed to the generator, this step.
         self._done: list[CompletedGeneration] = []
-        self._decoded = 0
         #: Agents whose prompts ran in the step under way.
         self._prefilled: list[str] = []
         #: Caches of sequences that finished alone, for their agents' next turns.
         self._kept_caches = kept_caches if kept_caches is not None else kept_for(pool)
+        self.output = Output(self.spec, pool, index, self._kept_caches, self._eos)
         self._refused: list[tuple[int, MlxActorsError]] = []
         self._steps = self._prefill_tokens = self._generated_tokens = 0
-        self._cached_tokens = self._completed = self._max_decode_batch = 0
-        self._shared_tokens = self._prefill_jobs = self._checkpoints = 0
+        self._max_decode_batch = self._checkpoints = 0
         self._solo_tokens = self._hot_starts = 0
         self.last_step: StepInfo | None = None
 
@@ -309,63 +242,22 @@ class BlockPoolBatchEngine:
             CacheReconstructionError: ``cache`` does not fit this model or was freed.
             PoolExhaustedError: the pool has too few free blocks right now.
         """
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be an int > 0, got {max_tokens!r}")
-        sampling = sampling if sampling is not None else Sampling()
-        bad_bias = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
-        if bad_bias:
-            raise InvalidRequestError(
-                f"logit_bias names token ids {bad_bias[:5]} outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
-        stops = check_stops(stop)
-        if cache is not None:
-            check_blocks(self.pool, cache)
-        history_len = cache.num_tokens if cache is not None else 0
-        if isinstance(trim, bool) or not isinstance(trim, int) or not 0 <= trim <= history_len:
-            raise InvalidRequestError(
-                f"trim must be an int in [0, {history_len}] (the cached tokens), got {trim!r}"
-            )
-        kept = history_len - trim
-        tokens = self._encode(prompt, fresh=kept == 0)
-        total = kept + len(tokens)
-        limit = self.spec.context_length
-        if limit is not None and total >= limit:
-            raise ContextLengthError(
-                f"the prompt ({len(tokens)} new + {kept} cached tokens) leaves no room in "
-                f"the model's context of {limit} tokens; shorten the conversation"
-            )
-        budget = min(max_tokens, limit - total) if limit is not None else max_tokens
-        need = blocks_needed(self.spec, total + budget, kept)
-        if need > self.pool.total_blocks:
-            what = "blocks" if self.spec.max_units == 1 else "pool units"
-            raise ContextLengthError(
-                f"the turn may need {need} {what} ({total} prompt tokens + {budget} new), "
-                f"more than the whole pool of {self.pool.total_blocks}; lower max_tokens, "
-                "shorten the conversation or give the runtime a larger pool"
-            )
         if namespace is _AUTO:
             namespace = None if self.share_prefixes else agent_id
-        full = [*cache.tokens[:kept], *tokens] if cache is not None and kept else tokens
-        anchors = tuple(a for a in cache.anchors if a <= kept) if cache is not None else ()
-        seq = _Sequence(
-            uid=next(self._uids),
-            agent_id=agent_id,
-            namespace=namespace,
-            tokens=full,
-            kept=kept,
-            own=cache if kept else None,
-            anchors=anchors,
-            budget=budget,
-            sampler=sampling.make_sampler(),
-            processors=[*sampling.make_processors(), *processors],
-            logprobs=[] if sampling.logprobs or sampling.top_logprobs else None,
-            top=sampling.top_logprobs,
-            text=TextStream(self.tokenizer.detokenizer, stops),
+        seq = self._intake.sequence(
+            next(self._uids),
+            agent_id,
+            prompt,
+            cache,
+            trim=trim,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop=stop,
             on_token=on_token,
-            submitted=time.perf_counter(),
+            namespace=namespace,
+            processors=processors,
         )
-        self._plan(seq)
+        self.planner.plan(seq)
         self._sequences[seq.uid] = seq
         return seq.uid
 
@@ -373,195 +265,6 @@ class BlockPoolBatchEngine:
         """Where a submitted sequence starts (``None`` once it is no longer in flight)."""
         seq = self._sequences.get(uid)
         return seq.admission if seq is not None else None
-
-    def _encode(self, prompt: Sequence[int] | str, *, fresh: bool) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("the prompt is empty")
-            tokens = list(self.tokenizer.encode(prompt, add_special_tokens=fresh))
-        else:
-            try:
-                tokens = [int(t) for t in prompt]
-            except (TypeError, ValueError) as exc:
-                raise InvalidRequestError(
-                    "the prompt must be text or a sequence of token ids"
-                ) from exc
-            if any(isinstance(t, bool) for t in prompt):
-                raise InvalidRequestError("token ids must be ints, not bools")
-        if not tokens:
-            raise InvalidRequestError("the prompt has no tokens")
-        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-            )
-        return tokens
-
-    # -- planning -----------------------------------------------------------------------
-
-    def _plan(self, seq: _Sequence) -> None:
-        """Decide where ``seq`` starts: take references to the longest prefix live blocks
-        hold, then wait for a prefill that computes a longer shared prefix, or start at
-        the next step. Reserves the blocks it may need; raises (holding nothing new) if
-        the pool cannot give them.
-
-        Under memory pressure the agent's own history comes first: if the pool has no
-        room while the sequence holds other agents' blocks (which keeps them from being
-        moved to disk), it starts from its own blocks instead."""
-        n = len(seq.tokens)
-        own = False
-        while True:
-            if own:
-                source = self.index.own(seq.own, seq.kept)
-            else:
-                source = self.index.find(seq.namespace, seq.tokens, n - 1)
-            held = [self.pool.share(b) for b in source.blocks()]
-            try:
-                target = (
-                    self._shared_prefill(seq, source.length)
-                    if self.share_prefixes and not own
-                    else None
-                )
-                final = n + seq.budget
-                # The sliding layers' state where the turn's new tokens begin, if the
-                # prefill must compute it again (see _start_pending).
-                lost = source.length < seq.kept and self.spec.sliding_layers
-                extra = checkpoint_blocks(self.spec, seq.kept) if lost else 0
-                extra += checkpoint_copies(self.spec, source.layers)
-                if target is None:
-                    self._reserve(seq, blocks_needed(self.spec, final, source.length) + extra)
-                else:
-                    job, at, new = target
-                    extra = checkpoint_blocks(self.spec, at) if new else 0
-                    if lost and job.pos < seq.kept < at:  # the job keeps its checkpoint
-                        extra += checkpoint_blocks(self.spec, seq.kept)
-                    self._reserve(seq, blocks_needed(self.spec, final, at) + extra)
-                    assert seq.reservation is not None
-                    seq.reservation.give(extra, job.reservation)
-                break
-            except PoolExhaustedError:
-                self.pool.free(held)
-                mine = {b.id for b in seq.own.blocks()} if seq.own is not None else set()
-                if own or all(b.id in mine for b in source.blocks()):
-                    raise
-                own = True
-            except BaseException:
-                self.pool.free(held)
-                raise
-        self.pool.free(seq.held)
-        seq.source, seq.held = source, held
-        shared = max(0, source.length - seq.kept)
-        seq.admission = Admission(
-            cached_tokens=source.length,
-            shared_tokens=shared,
-            prefill_tokens=n - source.length,
-            reusable_tokens=seq.kept,
-            not_reused=self._not_reused(seq.kept, source.length),
-        )
-        if target is None:
-            seq.state = _State.PENDING
-            self._pending.append(seq)
-            return
-        job, at, _ = target
-        job.checkpoints.setdefault(at, []).append(seq)
-        if self._lost(seq) and job.pos < seq.kept < at:
-            job.keep(seq.kept, seq)
-        seq.state, seq.waiting = _State.PARKED, (job, at)
-        owner = job.owner.agent_id if job.owner is not None else None
-        seq.admission = attrs.evolve(seq.admission, waits_for=owner, waits_tokens=at)
-
-    def _lost(self, seq: _Sequence) -> bool:
-        """Whether the sliding layers' state where ``seq``'s new tokens begin must be
-        computed again (its source stops short of it)."""
-        return seq.source.length < seq.kept and bool(self.spec.sliding_layers)
-
-    def _not_reused(self, reusable: int, cached: int) -> str | None:
-        """Why a sequence starts from ``cached`` tokens when its agent's cache agrees with
-        ``reusable`` of them (``None`` if it loses none)."""
-        if cached >= reusable:
-            return None
-        windows = sorted({layer.window for layer in self.spec.layers if layer.window is not None})
-        if windows:
-            return (
-                f"the history changed at token {reusable}, before what the sliding-window "
-                f"layers still hold (their last {'/'.join(map(str, windows))} tokens, and "
-                f"their state where the last turn started); prefilling from token {cached}"
-            )
-        return f"the blocks of tokens [{cached}, {reusable}) are no longer live"
-
-    def _shared_prefill(self, seq: _Sequence, start: int) -> tuple[PrefillJob, int, bool] | None:
-        """A prefill (running, or queued to start) that will compute a prefix of ``seq``'s
-        tokens at least ``min_shared`` tokens longer than ``start``: the job, where to
-        wait, and whether that checkpoint is new."""
-        tokens, n, slack = seq.tokens, len(seq.tokens), self.min_shared
-        head = tokens[start : start + slack]
-        best: tuple[PrefillJob | _Sequence, int] | None = None
-        candidates: list[PrefillJob | _Sequence] = [*self._jobs, *self._pending]
-        for other in candidates:
-            if other.namespace != seq.namespace or other is seq:
-                continue
-            if isinstance(other, PrefillJob):
-                pos, end = other.pos, other.end
-            else:
-                pos, end = other.source.length, len(other.tokens) - 1
-            if other.tokens[start : start + slack] != head:
-                continue
-            at = min(common_prefix(tokens, other.tokens), n - 1, end)
-            if at - start >= slack and at > pos and (best is None or at > best[1]):
-                best = (other, at)
-        if best is None:
-            return None
-        other, at = best
-        if isinstance(other, PrefillJob):
-            job = other
-        else:
-            self._pending.remove(other)
-            job = self._make_job(other)
-        at, new = job.checkpoint(at, slack)
-        return job, at, new
-
-    def _make_job(self, seq: _Sequence) -> PrefillJob:
-        """Turn a sequence's prefill into a job (its first chunk runs at the next step)."""
-        assert seq.reservation is not None
-        job = PrefillJob(
-            namespace=seq.namespace,
-            tokens=seq.tokens,
-            pos=seq.source.length,
-            end=len(seq.tokens) - 1,
-            source=seq.source,
-            reservation=seq.reservation,
-            held=seq.held,
-            owner=seq,
-        )
-        if seq.seed is not None and seq.seed[0].offset == seq.source.length:
-            job.cache = snapshot(seq.seed)  # its own cache objects, over the same views
-        if self._lost(seq):
-            # The sliding layers lost the history's end: the job stops there to keep
-            # their state (the turn's checkpoint, see _publish).
-            job.keep(seq.kept, seq)
-        seq.reservation, seq.held, seq.seed = None, [], None
-        seq.state, seq.job = _State.JOB, job
-        self._jobs.append(job)
-        self._prefill_jobs += 1
-        return job
-
-    def _reserve(self, seq: _Sequence, need: int) -> None:
-        """Make sure ``seq`` has ``need`` blocks reserved."""
-        have = seq.reservation.remaining if seq.reservation is not None else 0
-        if have >= need:
-            return
-        while True:
-            try:
-                if seq.reservation is None:
-                    seq.reservation = self.pool.reserve(need)
-                else:
-                    seq.reservation.grow(need - have)
-                return
-            except PoolExhaustedError:
-                if self._make_room is None or not self._make_room(seq.agent_id):
-                    raise
-
-    # -- running ----------------------------------------------------------------------
 
     @property
     def active(self) -> int:
@@ -585,12 +288,12 @@ class BlockPoolBatchEngine:
                 its reservation returned (their uids are in ``error.uids``); the engine
                 is ready for new work.
         """
-        if not self._sequences and not self._jobs:
+        if not self._sequences and not self.planner.jobs:
             self.last_step = None
             return []
         started = time.perf_counter()
         joined = len(self._running)
-        self._decoded = 0
+        self.output.decoded = 0
         self._prefilled = []
         try:
             self._start_pending()
@@ -599,7 +302,7 @@ class BlockPoolBatchEngine:
             joined = len(self._running) - joined
             left = max(self.pacing.floor, self.pacing.budget() - prefill)
             prompt_responses, responses = self._generator_step(left) if self._running else ([], [])
-            solo: tuple[_Sequence, Solo, int, str | None] | None = None
+            solo: tuple[EngineSequence, Solo, int, str | None] | None = None
             if self._solo is not None:
                 seq, run = self._solo
                 if not run.prefilled:
@@ -633,13 +336,13 @@ class BlockPoolBatchEngine:
             self.pacing.record(prompted_tokens, now - jobs_done)
         prefill += prompted_tokens
         finished, self._done = self._done, []
-        stopped: list[_Sequence] = []
+        stopped: list[EngineSequence] = []
         decoded = [self._running[r.uid].agent_id for r in responses]
         if solo is not None:
             decoded.append(solo[0].agent_id)
         for r in responses:
             seq = self._running[r.uid]
-            reason = self._emit(seq, r.token, r.finish_reason, now, r.logprobs)
+            reason = self.output.emit(seq, r.token, r.finish_reason, now, r.logprobs)
             if r.finish_reason is not None:
                 finished.append(self._finish(seq, r.prompt_cache, reason or r.finish_reason))
             elif reason is not None:
@@ -651,7 +354,7 @@ class BlockPoolBatchEngine:
         if solo is not None:
             seq, run, token, why = solo
             self._solo_tokens += 1
-            reason = self._emit(seq, token, why, now, run.logprobs)
+            reason = self.output.emit(seq, token, why, now, run.logprobs)
             if reason is not None:
                 self._solo = None
                 finished.append(self._finish(seq, run.settle(), reason))
@@ -659,11 +362,11 @@ class BlockPoolBatchEngine:
             evaluate([f.blocks for f in finished])
         self._steps += 1
         self._prefill_tokens += prefill
-        self._generated_tokens += self._decoded
-        self._max_decode_batch = max(self._max_decode_batch, self._decoded)
+        self._generated_tokens += self.output.decoded
+        self._max_decode_batch = max(self._max_decode_batch, self.output.decoded)
         ended = time.perf_counter()
         self.last_step = StepInfo(
-            decode_batch=self._decoded,
+            decode_batch=self.output.decoded,
             prefill_tokens=prefill,
             finished=len(finished),
             seconds=ended - started,
@@ -686,37 +389,6 @@ class BlockPoolBatchEngine:
             self._generator.prefill_step_size = min(self.prefill_step_size, share)
         return self._generator.next()  # type: ignore[no-any-return]
 
-    def _emit(
-        self,
-        seq: _Sequence,
-        token: int,
-        reason: str | None,
-        now: float,
-        logprobs: mx.array | None = None,
-    ) -> FinishReason | None:
-        """Take a token ``seq`` generated (``reason``: why the generator ends it there;
-        ``logprobs``: the distribution it was chosen from); stream its text. Returns
-        why the sequence ends here (a stop string counts), if it does."""
-        self._decoded += 1
-        seq.generated.append(token)
-        logprob = None
-        if seq.logprobs is not None and logprobs is not None:
-            logprob = _record_logprobs(seq, token, logprobs.reshape(-1))
-        if seq.first_token is None:
-            seq.first_token = now
-        finish: FinishReason | None = reason  # type: ignore[assignment]
-        piece, matched = seq.text.add(token, eos=reason == "stop" and token in self._eos)
-        if matched:
-            finish = "stop"
-        if finish is not None:
-            last, matched = seq.text.finish()
-            piece += last
-            if matched:  # held back until now (the last token's text): a stop after all
-                finish = "stop"
-        if seq.on_token is not None:
-            seq.on_token(TokenEvent(uid=seq.uid, token=token, text=piece, logprob=logprob))
-        return finish
-
     def _run_jobs(self) -> tuple[int, int]:
         """A chunk of each prefill job, oldest first, while the step's budget lasts (as
         many tokens as ``prefill_batch_size`` chunks): publish the checkpoints they reach
@@ -730,8 +402,8 @@ class BlockPoolBatchEngine:
         budget = min(chunk * self.prefill_batch_size, self.pacing.budget())
         chunk = min(chunk, budget)
         done = ran = at = 0
-        while at < len(self._jobs) and done < budget:
-            job = self._jobs[at]
+        while at < len(self.planner.jobs) and done < budget:
+            job = self.planner.jobs[at]
             if job.owner is not None:
                 self._prefilled.append(job.owner.agent_id)
             began = time.perf_counter()
@@ -766,7 +438,7 @@ class BlockPoolBatchEngine:
             path=job.source.path,
         )
         try:
-            self._grow(job, cut.new_blocks)
+            self.planner.grow(job, cut.new_blocks)
         except PoolExhaustedError:
             cut.abandon()  # the waiting sequences start from what they can find
         else:
@@ -784,23 +456,12 @@ class BlockPoolBatchEngine:
         for seq in waiting:
             seq.waiting, seq.seed = None, seed
             try:
-                self._plan(seq)
+                self.planner.plan(seq)
             except MlxActorsError as exc:
                 self._refuse(seq, exc)
 
-    def _grow(self, job: PrefillJob, need: int) -> None:
-        """Top the job's reservation up to ``need`` blocks, moving idle agents' caches to
-        disk if the pool is short (raises :class:`PoolExhaustedError` if that fails)."""
-        agent = job.owner.agent_id if job.owner is not None else ""
-        while job.reservation.remaining < need:
-            try:
-                job.reservation.grow(need - job.reservation.remaining)
-            except PoolExhaustedError:
-                if self._make_room is None or not self._make_room(agent):
-                    raise
-
     def _end_job(self, job: PrefillJob) -> None:
-        self._jobs.remove(job)
+        self.planner.jobs.remove(job)
         seq = job.owner
         if seq is None:
             self._release_job(job)
@@ -810,7 +471,7 @@ class BlockPoolBatchEngine:
         self._insert(seq, job.cache, job.pos)
 
     def _drop_job(self, job: PrefillJob) -> None:
-        self._jobs.remove(job)
+        self.planner.jobs.remove(job)
         self._release_job(job)
 
     def _release_job(self, job: PrefillJob) -> None:
@@ -823,23 +484,23 @@ class BlockPoolBatchEngine:
         long cached history, runs as a job (one sequence, unpadded, as mlx-lm's own
         prefill: ``BatchGenerator`` copies and pads every cache in a batch of prompts);
         short prompts on short histories are prefilled together in the batch."""
-        pending, self._pending = self._pending, []
+        pending, self.planner.pending = self.planner.pending, []
         # One short prompt alone decodes outside the batch at once, from its agent's
         # last cache if that is kept (no blocks to gather), whatever its history.
-        lone = len(pending) == 1 and not self._jobs and not self._running and not self._solo
+        lone = len(pending) == 1 and not self.planner.jobs and not self._running and not self._solo
         for seq in pending:
             cached = seq.source.length
             uncached = len(seq.tokens) - 1 - cached
-            if self._lost(seq):
-                self._make_job(seq)  # it keeps the sliding layers' state at seq.kept
+            if self.planner.lost(seq):
+                self.planner.make_job(seq)  # it keeps the sliding layers' state at seq.kept
             elif lone and uncached < self.long_prefill:
                 self._insert(seq, None)
             elif uncached > 0 and max(uncached, cached) >= self.long_prefill:
-                self._make_job(seq)
+                self.planner.make_job(seq)
             else:
                 self._insert(seq, None)
 
-    def _insert(self, seq: _Sequence, cache: list[Any] | None, start: int = 0) -> None:
+    def _insert(self, seq: EngineSequence, cache: list[Any] | None, start: int = 0) -> None:
         """Start ``seq``: with ``cache`` (a prefill job's, holding its first ``start``
         tokens), else with a cache built from its source blocks. Alone, it decodes
         outside the batch (:class:`Solo`); else in the batch, which a sequence decoding
@@ -873,7 +534,7 @@ class BlockPoolBatchEngine:
                 processors=seq.processors,
                 context=seq.tokens[:-1],
             )
-            seq.state, self._solo = _State.SOLO, (seq, run)
+            seq.state, self._solo = SequenceState.SOLO, (seq, run)
             return
         if self._solo is not None:
             self._hand_over()
@@ -881,7 +542,7 @@ class BlockPoolBatchEngine:
 
     def _join(
         self,
-        seq: _Sequence,
+        seq: EngineSequence,
         prompt: list[int],
         cache: list[Any] | None,
         budget: int,
@@ -905,7 +566,7 @@ class BlockPoolBatchEngine:
             samplers=[seq.sampler] if seq.sampler is not None else None,
             logits_processors=[seq.processors] if seq.processors else None,
         )
-        seq.state, seq.gen_uid = _State.RUNNING, gen_uid
+        seq.state, seq.gen_uid = SequenceState.RUNNING, gen_uid
         self._running[gen_uid] = seq
 
     def _hand_over(self) -> None:
@@ -918,75 +579,24 @@ class BlockPoolBatchEngine:
             return
         token, ended = run.next(go_on=False)
         self._solo_tokens += 1
-        reason = self._emit(seq, token, ended, time.perf_counter(), run.logprobs)
+        reason = self.output.emit(seq, token, ended, time.perf_counter(), run.logprobs)
         if reason is not None:
             self._done.append(self._finish(seq, run.settle(), reason))
         else:
             self._join(seq, [token], run.cache, seq.budget - len(seq.generated), generated=True)
 
-    def _refuse(self, seq: _Sequence, error: MlxActorsError) -> None:
+    def _refuse(self, seq: EngineSequence, error: MlxActorsError) -> None:
         del self._sequences[seq.uid]
-        self._release(seq)
+        seq.release(self.pool)
         self._refused.append((seq.uid, error))
 
-    def _release(self, seq: _Sequence) -> None:
-        if seq.reservation is not None:
-            seq.reservation.release()
-            seq.reservation = None
-        self.pool.free([*seq.held, *seq.kept_blocks])
-        seq.held, seq.kept_blocks = [], []
-
     def _finish(
-        self, seq: _Sequence, cache: list[Any], reason: FinishReason
+        self, seq: EngineSequence, cache: list[Any], reason: FinishReason
     ) -> CompletedGeneration:
         del self._sequences[seq.uid]
-        assert seq.reservation is not None
         if seq.gen_uid is not None:
             del self._running[seq.gen_uid]
-        tokens = (*seq.tokens, *seq.generated)
-        if seq.state is _State.SOLO:  # the cache is the sequence's own: keep it for its agent
-            self._kept_caches.keep(seq.agent_id, tokens, cache)
-        try:
-            blocks = from_cache(
-                self.pool,
-                cache,
-                tokens,
-                seq.reservation,
-                index=self.index,
-                namespace=seq.namespace,
-                path=seq.source.path,
-                anchors=seq.anchors,
-                checkpoint=seq.checkpoint or seq.source.layers,
-            )
-        finally:
-            self._release(seq)
-        now = time.perf_counter()
-        cached = seq.source.length
-        shared = max(0, cached - seq.kept)
-        self._completed += 1
-        self._cached_tokens += cached
-        self._shared_tokens += shared
-        return CompletedGeneration(
-            uid=seq.uid,
-            agent_id=seq.agent_id,
-            tokens=tuple(seq.generated),
-            text=seq.text.text,
-            stop=seq.text.stop,
-            logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
-            top_logprobs=tuple(seq.top_logprobs) if seq.top else None,
-            finish_reason=reason,
-            blocks=blocks,
-            usage=Usage(
-                prompt_tokens=len(seq.tokens) - cached,
-                cached_tokens=cached,
-                generated_tokens=len(seq.generated),
-                shared_tokens=shared,
-                reusable_tokens=seq.kept,
-            ),
-            submitted_at=seq.submitted,
-            ttft_s=(seq.first_token or now) - seq.submitted,
-            total_s=now - seq.submitted,
-        )
+        return self.output.finish(seq, cache, reason)
 
     def cancel(self, uid: int) -> bool:
         """Drop a queued or running sequence and return its reserved blocks.
@@ -997,26 +607,26 @@ class BlockPoolBatchEngine:
         seq = self._sequences.pop(uid, None)
         if seq is None:
             return False
-        if seq.state is _State.RUNNING:
+        if seq.state is SequenceState.RUNNING:
             assert seq.gen_uid is not None
             del self._running[seq.gen_uid]
             self._generator.remove([seq.gen_uid])
-        elif seq.state is _State.SOLO:
+        elif seq.state is SequenceState.SOLO:
             self._solo = None
-        elif seq.state is _State.PENDING:
-            self._pending.remove(seq)
-        elif seq.state is _State.PARKED:
+        elif seq.state is SequenceState.PENDING:
+            self.planner.pending.remove(seq)
+        elif seq.state is SequenceState.PARKED:
             assert seq.waiting is not None
             job, _ = seq.waiting
             job.leave(seq)
-            if job.orphaned and job in self._jobs:
+            if job.orphaned and job in self.planner.jobs:
                 self._drop_job(job)
-        elif seq.state is _State.JOB:
+        elif seq.state is SequenceState.JOB:
             assert seq.job is not None
             seq.job.leave(seq)  # it goes on for the sequences that wait on it
             if seq.job.orphaned:
                 self._drop_job(seq.job)
-        self._release(seq)
+        seq.release(self.pool)
         return True
 
     def share(self, blocks: AgentBlocks) -> AgentBlocks:
@@ -1040,11 +650,11 @@ class BlockPoolBatchEngine:
             steps=self._steps,
             prefill_tokens=self._prefill_tokens,
             generated_tokens=self._generated_tokens,
-            cached_tokens=self._cached_tokens,
-            completed=self._completed,
+            cached_tokens=self.output.cached_tokens,
+            completed=self.output.completed,
             max_decode_batch=self._max_decode_batch,
-            shared_tokens=self._shared_tokens,
-            prefill_jobs=self._prefill_jobs,
+            shared_tokens=self.output.shared_tokens,
+            prefill_jobs=self.planner.prefill_jobs,
             checkpoints=self._checkpoints,
             solo_tokens=self._solo_tokens,
             hot_starts=self._hot_starts,
@@ -1053,13 +663,13 @@ class BlockPoolBatchEngine:
     def _reset(self) -> list[int]:
         uids = list(self._sequences)
         for seq in self._sequences.values():
-            self._release(seq)
-        for job in self._jobs:
+            seq.release(self.pool)
+        for job in self.planner.jobs:
             self._release_job(job)
         self._sequences.clear()
         self._running.clear()
-        self._pending.clear()
-        self._jobs.clear()
+        self.planner.pending.clear()
+        self.planner.jobs.clear()
         self._solo, self._done = None, []
         self._kept_caches.drop()
         self._generator.close()
@@ -1070,22 +680,6 @@ class BlockPoolBatchEngine:
         """Cancel everything in flight and release the generator."""
         self._reset()
         self._generator.close()
-
-
-def _record_logprobs(seq: _Sequence, token: int, row: mx.array) -> float:
-    """Append ``token``'s log-probability in ``row`` (and the most likely tokens',
-    if asked) to ``seq``'s; returns the token's."""
-    assert seq.logprobs is not None
-    chosen = row[token]
-    if seq.top:
-        ids = mx.argpartition(-row, seq.top - 1)[: seq.top]
-        values = row[ids]
-        mx.eval(chosen, ids, values)
-        pairs = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]  # type: ignore[arg-type]
-        seq.top_logprobs.append(tuple(sorted(pairs, key=lambda p: (-p[1], p[0]))))
-    logprob: float = chosen.item()  # type: ignore[assignment]
-    seq.logprobs.append(logprob)
-    return logprob
 
 
 def _vocab_size(model: Module, tokenizer: Any) -> int:
