@@ -91,7 +91,7 @@ class AgentState:
         saving = self._saves is not None and self._saves.saves_turns
         delivering = envelope.push is None
         hold = saving or delivering
-        self._scheduler.commit(self.name, blocks, hold=hold, saving=hold)
+        self._scheduler.commit(self.name, blocks, hold=hold, saving=hold, snapshot=saving)
         self.cached_tokens, self.cached_blocks = blocks.num_tokens, blocks.num_blocks
         self.messages = messages
         if replaced is not None:

@@ -8,7 +8,8 @@ the ``Scheduler`` actor owns that engine on its thread, moving idle agents' cach
 Five parts, each importing only those before it: ``caches`` (the cache kinds mlx-lm's
 models run on beyond its own), ``kv`` (blocks, the pool, the prefix index), ``engine``
 (running sequences), ``residency`` (caches out of the pool: host memory and disk
-images), ``service`` (the thread boundary and the ``Scheduler`` actor).
+images), ``service`` (the thread boundary and the ``Scheduler`` actor). Each part's
+``__init__`` names what it offers the parts above it.
 """
 
 from .caches._quantized import BatchQuantizedKVCache as BatchQuantizedKVCache

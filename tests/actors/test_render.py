@@ -26,7 +26,7 @@ from tokenizers import (
 
 from mlx_actors.actors._render import Renderer, Rendering
 from mlx_actors.runtime import default_model_dir
-from mlx_actors.scheduler.kv._tokens import common_prefix
+from mlx_actors.scheduler.kv import common_prefix
 from mlx_actors.testing import CHATML_TEMPLATE
 
 #: Gemma's shape: turns marked by added tokens, contents trimmed.

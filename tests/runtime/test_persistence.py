@@ -28,7 +28,7 @@ from mlx_actors.errors import (
     StateInUseError,
 )
 from mlx_actors.runtime import _disk, _store
-from mlx_actors.scheduler import BlockEntry, CacheImage
+from mlx_actors.scheduler import BlockEntry, CacheImage, Scheduler
 from mlx_actors.testing import tiny_config, write_random_model
 
 from ..actors.test_agents import FaultyRuntime, long_question
@@ -433,6 +433,45 @@ async def test_a_failed_eviction_write_lets_the_agent_start_over(
         assert stats.pool.used_blocks == stats.resident_blocks
     events = [json.loads(line)["event"] for line in trace.read_text().splitlines()]
     assert "blocks.write_failed" in events
+
+
+@pytest.mark.parametrize("state", [False, True])
+async def test_an_ask_crosses_the_thread_boundary_four_or_five_times(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: bool
+) -> None:
+    # Commands to the engine thread and events back, for one ask of an agent that has
+    # a cache: the turn, its result, the commit that holds the cache it started from
+    # (and, with a state directory, takes the snapshot the save writes, which comes
+    # back), and the commit once the caller has the reply.
+    crossings: list[str] = []
+    put, deliver = Scheduler._put, Scheduler._deliver_one
+
+    def counted_put(self: Scheduler, command: object) -> None:
+        crossings.append(type(command).__name__)
+        put(self, command)
+
+    def counted_deliver(self: Scheduler, event: Any) -> None:
+        crossings.append(type(event).__name__)
+        deliver(self, event)
+
+    monkeypatch.setattr(Scheduler, "_put", counted_put)
+    monkeypatch.setattr(Scheduler, "_deliver_one", counted_deliver)
+    where = {"state_dir": tmp_path / "state"} if state else {}
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", **where) as rt:
+        ann = await rt.spawn("ann", max_tokens=4)
+        await ann.ask("Hi")
+        crossings.clear()
+        reply = await ann.ask("Again?")
+        seen = list(crossings)
+        assert reply.usage.cached_tokens > 0
+    expected = ["Submit", "Finished", "Commit", *(["Snapshot"] if state else []), "Commit"]
+    assert seen == expected
+    if state:  # the snapshot taken with the commit is the cache the next process reads
+        async with Runtime(tiny_dir, pool_blocks=100, log_level="off", **where) as rt:
+            ann = rt.agent("ann")
+            assert len(ann.history) == 4
+            again = await ann.ask("And now?")
+            assert again.usage.cached_tokens == again.usage.reusable_tokens > 0
 
 
 async def test_a_cache_in_host_memory_comes_back_while_its_write_hangs_and_outlives_its_failure(

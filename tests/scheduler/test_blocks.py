@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_actors.scheduler import BLOCK_SIZE, BlockPool
-from mlx_actors.scheduler.kv._blocks import blocks_needed, from_cache, to_cache
+from mlx_actors.scheduler.kv import blocks_needed, from_cache, to_cache
 
 from ..conftest import Loaded
 

@@ -21,7 +21,7 @@ from mlx_actors.scheduler import (
     BlockPoolBatchEngine,
     LayerKind,
 )
-from mlx_actors.scheduler.kv._prefix import runs_of
+from mlx_actors.scheduler.kv import runs_of
 from mlx_actors.testing import family_configs, write_random_model
 
 from ..conftest import Loaded, ReferenceChat, asyncio_only, load, render, run_to_completion

@@ -14,9 +14,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_actors.scheduler import BlockPool
-from mlx_actors.scheduler.caches._margin import MarginBatchRotatingKVCache
-from mlx_actors.scheduler.kv._blocks import evaluate, from_cache, make_cache, to_cache
-from mlx_actors.scheduler.kv._prefix import PrefixIndex
+from mlx_actors.scheduler.caches import MarginBatchRotatingKVCache
+from mlx_actors.scheduler.kv import PrefixIndex, evaluate, from_cache, make_cache, to_cache
 from mlx_actors.testing import family_configs, write_random_model
 
 from ..conftest import Loaded, load

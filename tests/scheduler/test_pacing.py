@@ -7,8 +7,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine
-from mlx_actors.scheduler.engine import _buffers
-from mlx_actors.scheduler.engine._pacing import Pacing, chunk
+from mlx_actors.scheduler.engine import Pacing, _buffers, chunk
 
 from ..conftest import Loaded, reference
 from .test_engine import prompt

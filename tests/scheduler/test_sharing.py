@@ -15,7 +15,7 @@ import pytest
 from mlx_actors import Runtime
 from mlx_actors.errors import AgentClosedError, InvalidRequestError
 from mlx_actors.scheduler import BLOCK_SIZE, AgentBlocks, BlockPool, BlockPoolBatchEngine
-from mlx_actors.scheduler.residency._image import make_blocks, take_image
+from mlx_actors.scheduler.residency import make_blocks, take_image
 from mlx_actors.testing import tiny_config, write_random_model
 
 from ..actors.test_agents import FaultyRuntime, long_question

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mlx_actors import Runtime
-from mlx_actors.scheduler.engine._text import TextStream
+from mlx_actors.scheduler.engine import TextStream
 
 from ..conftest import Loaded
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_actors.scheduler.residency._transfer import to_device, to_host
+from mlx_actors.scheduler.residency import to_device, to_host
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])

@@ -111,8 +111,11 @@ class CacheManager:
 
     # -- a turn's life -----------------------------------------------------------------------
 
-    def commit(self, agent: str, blocks: AgentBlocks, *, hold: bool, saving: bool) -> None:
-        """``blocks`` become the agent's cache (see :class:`~..service._protocol.Commit`)."""
+    def commit(
+        self, agent: str, blocks: AgentBlocks, *, hold: bool, saving: bool, snapshot: bool
+    ) -> CacheImage | None:
+        """``blocks`` become the agent's cache (see :class:`~..service._protocol.Commit`);
+        with ``snapshot``, returns what the store lacks of it, to be saved."""
         entry = self.entry(agent)
         if hold and not entry.holding:
             entry.holding, entry.kept = True, entry.blocks  # the turn's start, for undo
@@ -128,6 +131,7 @@ class CacheManager:
             entry.stored = {
                 b.id: entry.stored[b.id] for b in entry.blocks.blocks() if b.id in entry.stored
             }
+        return self._take_image(entry) if snapshot else None
 
     def undo(self, agent: str) -> None:
         """After commits with ``hold``: the cache the turn started from is the agent's

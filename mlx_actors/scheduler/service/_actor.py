@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import traceback
@@ -9,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import attrs
 import mlx.core as mx
 import structlog
 from anyio.lowlevel import EventLoopToken
@@ -37,6 +39,7 @@ from ._events import (
     Restored,
     RestoreFailed,
     SaveReady,
+    Snapshot,
     Statistics,
 )
 from ._loop import EngineLoop, Outbox
@@ -57,6 +60,16 @@ from ._protocol import (
 )
 
 Loader = Callable[[], tuple[Any, Any]]
+
+
+@attrs.define
+class _Snapshot:
+    """A snapshot of an agent's cache taken with its commit (number ``number``), for
+    its save; ``image`` is set when it comes back (``None``: nothing to write)."""
+
+    number: int
+    ready: anyio.Event = attrs.Factory(anyio.Event)
+    image: CacheImage | None = None
 
 
 class Scheduler:
@@ -110,6 +123,9 @@ class Scheduler:
         self._final: SchedulerStatistics | None = None
         self._token: EventLoopToken | None = None
         self._disk = DiskWork(store, self._put, log=self._log)
+        #: Snapshots taken with a commit, waiting for the agent's save, by agent.
+        self._snapshots: dict[str, _Snapshot] = {}
+        self._numbers = itertools.count(1)
         #: Turns asked whose agents have not yet sent them (read by the engine thread;
         #: changed only on the event loop).
         self._coming = 0
@@ -244,7 +260,13 @@ class Scheduler:
         return turn.result
 
     def commit(
-        self, agent: str, blocks: AgentBlocks, *, hold: bool = False, saving: bool = False
+        self,
+        agent: str,
+        blocks: AgentBlocks,
+        *,
+        hold: bool = False,
+        saving: bool = False,
+        snapshot: bool = False,
     ) -> None:
         """Make a finished turn's blocks the agent's cache (its old blocks are freed).
 
@@ -252,12 +274,21 @@ class Scheduler:
         the turn started from is kept, and the agent is not evicted, until a commit
         without ``hold`` (which frees it) or :meth:`undo` (which restores it). With
         ``saving`` the turn still counts as in flight meanwhile (see
-        :class:`~._protocol.Commit`)."""
-        self._put(Commit(agent, blocks, hold, saving))
+        :class:`~._protocol.Commit`). With ``snapshot`` the engine thread copies what
+        the store lacks of the cache as it commits it, for the agent's next
+        :meth:`save` (which then asks the engine thread nothing)."""
+        number = 0
+        self._snapshots.pop(agent, None)  # one that no save took is stale now
+        if snapshot:
+            number = next(self._numbers)
+            self._snapshots[agent] = _Snapshot(number)
+        stored = self._disk.take_stored(agent)
+        self._put(Commit(agent, blocks, hold, saving, number, stored))
 
     def undo(self, agent: str) -> None:
         """After commits with ``hold``: the agent's cache is again the one the turn
         started from; the rounds' blocks are freed."""
+        self._snapshots.pop(agent, None)
         self._put(Undo(agent))
 
     def release(self, agent: str, blocks: AgentBlocks) -> None:
@@ -272,6 +303,12 @@ class Scheduler:
     async def save(self, agent: str) -> None:
         """Write the agent's cache to the store (only blocks not written before); raise
         what stopped the write."""
+        taken = self._snapshots.pop(agent, None)
+        if taken is not None:  # taken with the commit: write it after earlier disk work
+            await taken.ready.wait()
+            if taken.image is not None:
+                await self._disk.write(agent, taken.image)
+            return
         done = anyio.Event()
         outcome: list[BaseException | None] = []
 
@@ -279,7 +316,7 @@ class Scheduler:
             outcome.append(error)
             done.set()
 
-        self._put(Save(agent, reply))
+        self._put(Save(agent, reply, self._disk.take_stored(agent)))
         await done.wait()
         if outcome[0] is not None:
             raise outcome[0]
@@ -307,6 +344,7 @@ class Scheduler:
 
     async def forget(self, agent: str, *, drop: bool) -> None:
         """Free the agent's cache; with ``drop``, delete it from the store as well."""
+        self._snapshots.pop(agent, None)
         await self._disk.forget(agent, drop=drop)
 
     def on_disk(self, agent: str) -> bool:
@@ -351,6 +389,8 @@ class Scheduler:
             command.reply(self._final)
         elif isinstance(command, (Save, Fork)):
             command.reply(None)
+        elif isinstance(command, Commit) and command.snapshot:
+            self._snapshot_taken(command.agent, command.snapshot, None)
 
     def _fail(self, turn: Turn, error: BaseException) -> None:
         if not turn.settled.is_set():
@@ -391,10 +431,18 @@ class Scheduler:
                 self._disk.restored(agent)
             case SaveReady(command, image):
                 self._disk.save(command, image)
+            case Snapshot(agent, number, image):
+                self._snapshot_taken(agent, number, image)
             case Statistics(reply, statistics):
                 reply(statistics)
             case Forked(command, on_disk):
                 command.reply(on_disk)
+
+    def _snapshot_taken(self, agent: str, number: int, image: CacheImage | None) -> None:
+        taken = self._snapshots.get(agent)
+        if taken is not None and taken.number == number:
+            taken.image = image
+            taken.ready.set()
 
     def _lost(self, turn: Turn, error: BaseException) -> None:
         """The cache read back for ``turn``'s agent does not fit the model: delete it,

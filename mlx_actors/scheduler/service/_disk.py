@@ -36,9 +36,17 @@ class DiskWork:
         #: Agents whose cache is out of the pool, as the engine thread said (each with
         #: the snapshot that evicted it; 0: one the store held already).
         self._out: dict[str, int] = {}
+        #: Where each agent's last save put its blocks, for the engine thread (sent
+        #: with the agent's next commit or save: :meth:`take_stored`).
+        self._stored: dict[str, Stored] = {}
 
     def start(self, group: TaskGroup) -> None:
         self._group = group
+
+    def take_stored(self, agent: str) -> Stored | None:
+        """Where the agent's last save put its blocks, if the engine thread has not
+        been told yet."""
+        return self._stored.pop(agent, None)
 
     def out(self, agent: str) -> bool:
         """Whether the agent's cache is in the store rather than in the pool."""
@@ -99,7 +107,7 @@ class DiskWork:
         async def save() -> None:
             try:
                 if image is not None:
-                    await self._write(command.agent, image)
+                    await self._write(command.agent, image, saved=True)
             except BaseException as exc:
                 command.reply(exc)
                 raise
@@ -107,6 +115,22 @@ class DiskWork:
                 command.reply(None)
 
         self.run(command.agent, save)
+
+    async def write(self, agent: str, image: CacheImage) -> None:
+        """Write a save's snapshot after the agent's earlier disk work; raise what
+        stopped the write."""
+        failure: list[BaseException] = []
+
+        async def write() -> None:
+            try:
+                await self._write(agent, image, saved=True)
+            except BaseException as exc:
+                failure.append(exc)
+                raise
+
+        await self.run(agent, write).wait()
+        if failure:
+            raise failure[0]
 
     # -- what the event loop asks --------------------------------------------------------------
 
@@ -164,12 +188,15 @@ class DiskWork:
         """Free the agent's cache; with ``drop``, delete it from the store as well."""
         self._put(Forget(agent))
         self._out.pop(agent, None)
+        self._stored.pop(agent, None)
         if drop:
             await self.run(agent, lambda: self.store.drop(agent)).wait()
 
     # -- writes ----------------------------------------------------------------------------------
 
-    async def _write(self, agent: str, image: CacheImage) -> None:
+    async def _write(self, agent: str, image: CacheImage, *, saved: bool = False) -> None:
+        """Write ``image``; a ``saved`` one's block places go to the engine thread (an
+        evicted one's are of no use there: its blocks are gone)."""
         started = time.perf_counter()
         refs = await self.store.save(agent, image)
         self._log.debug(
@@ -178,7 +205,8 @@ class DiskWork:
             bytes=image.nbytes,
             ms=round((time.perf_counter() - started) * 1e3, 2),
         )
-        self._put(Stored(agent, refs, image.serial))
+        if saved:
+            self._stored[agent] = Stored(agent, refs, image.serial)
 
     async def _write_evicted(self, agent: str, image: CacheImage) -> None:
         try:

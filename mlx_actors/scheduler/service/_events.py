@@ -84,6 +84,16 @@ class SaveReady:
 
 
 @attrs.frozen
+class Snapshot:
+    """What a :class:`~._protocol.Commit` with a ``snapshot`` number asked for: the
+    committed cache's blocks to write (``None``: the runtime shut down first)."""
+
+    agent: str
+    number: int
+    image: CacheImage | None
+
+
+@attrs.frozen
 class Statistics:
     """The answer to a :class:`~._protocol.Query`."""
 
@@ -111,6 +121,7 @@ Event = (
     | Evicted
     | Restored
     | SaveReady
+    | Snapshot
     | Statistics
     | Forked
 )

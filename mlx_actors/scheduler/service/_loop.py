@@ -143,17 +143,23 @@ class EngineLoop:
         elif isinstance(command, Cancel):
             self._cancel(command.turn)
         elif isinstance(command, Commit):
-            self.caches.commit(
-                command.agent, command.blocks, hold=command.hold, saving=command.saving
+            self._stored(command.stored)
+            image = self.caches.commit(
+                command.agent,
+                command.blocks,
+                hold=command.hold,
+                saving=command.saving,
+                snapshot=bool(command.snapshot),
             )
+            if command.snapshot:
+                self.outbox.append(events.Snapshot(command.agent, command.snapshot, image))
         elif isinstance(command, Release):
             self.caches.release(command.agent, command.blocks)
         elif isinstance(command, Undo):
             self.caches.undo(command.agent)
         elif isinstance(command, Save):
+            self._stored(command.stored)
             self.outbox.append(events.SaveReady(command, self.caches.snapshot(command.agent)))
-        elif isinstance(command, Stored):
-            self.caches.stored(command.agent, command.refs, command.serial)
         elif isinstance(command, WriteFailed):
             self.caches.write_failed(command.agent, command.serial)
         elif isinstance(command, Forget):
@@ -164,6 +170,10 @@ class EngineLoop:
             self._fork(command)
         elif isinstance(command, Query):
             self.outbox.append(events.Statistics(command.reply, self.snapshot()))
+
+    def _stored(self, stored: Stored | None) -> None:
+        if stored is not None:
+            self.caches.stored(stored.agent, stored.refs, stored.serial)
 
     # -- admission, eviction, restore ------------------------------------------------------
 
@@ -465,6 +475,8 @@ class EngineLoop:
                 self.outbox.append(events.Statistics(command.reply, final))
             elif isinstance(command, Save):
                 self.outbox.append(events.SaveReady(command, None))
+            elif isinstance(command, Commit) and command.snapshot:
+                self.outbox.append(events.Snapshot(command.agent, command.snapshot, None))
             elif isinstance(command, Fork):
                 self.outbox.append(events.Forked(command, None))
         return final

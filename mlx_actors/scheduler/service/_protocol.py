@@ -121,12 +121,16 @@ class Commit:
     to the caller): the cache it started from is kept aside, for :class:`Undo`, until a
     commit without ``hold``. While it is ``saving`` (being saved, or delivered), the
     turn still counts as in flight (it ends by itself, so others may wait for the room
-    it will give back)."""
+    it will give back). A ``snapshot`` number asks for the committed cache's blocks the
+    store lacks, for the turn's save (:class:`~._events.Snapshot`); ``stored`` says
+    where the agent's last save put its blocks."""
 
     agent: str
     blocks: AgentBlocks
     hold: bool = False
     saving: bool = False
+    snapshot: int = 0
+    stored: Stored | None = None
 
 
 @attrs.frozen
@@ -147,16 +151,19 @@ class Release:
 
 @attrs.frozen
 class Save:
-    """Copy the agent's unsaved blocks to host memory for the store."""
+    """Copy the agent's unsaved blocks to host memory for the store (``stored``: where
+    its last save put its blocks)."""
 
     agent: str
     #: Called with ``None`` once the cache is written, or with what stopped the write.
     reply: Callable[[BaseException | None], None]
+    stored: Stored | None = None
 
 
 @attrs.frozen
 class Stored:
-    """A snapshot of the agent's cache is written: where each of its blocks is."""
+    """A snapshot of the agent's cache is written: where each of its blocks is (carried
+    by the agent's next :class:`Commit` or :class:`Save`)."""
 
     agent: str
     refs: Mapping[int, str]
