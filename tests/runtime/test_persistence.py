@@ -29,6 +29,7 @@ from mlx_actors.errors import (
 )
 from mlx_actors.runtime import _disk, _store
 from mlx_actors.scheduler import BlockEntry, CacheImage, Scheduler
+from mlx_actors.scheduler.residency import CacheManager
 from mlx_actors.testing import tiny_config, write_random_model
 
 from ..actors.test_agents import FaultyRuntime, long_question
@@ -472,6 +473,44 @@ async def test_an_ask_crosses_the_thread_boundary_four_or_five_times(
             assert len(ann.history) == 4
             again = await ann.ask("And now?")
             assert again.usage.cached_tokens == again.usage.reusable_tokens > 0
+
+
+@pytest.mark.timeout(60)  # (it hangs where the save misses the snapshot)
+async def test_a_save_that_asks_before_its_snapshot_comes_back_still_gets_it(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The snapshot a turn's commit takes may come back after the save asks for it (the
+    # engine thread was busy): the engine thread here takes it only once the save asks.
+    asked = threading.Event()
+    commit, save, take = Scheduler.commit, Scheduler.save, CacheManager.commit
+
+    def commit_asking_anew(self: Scheduler, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("snapshot"):
+            asked.clear()
+        commit(self, *args, **kwargs)
+
+    async def save_asking(self: Scheduler, agent: str) -> None:
+        asked.set()
+        await save(self, agent)
+
+    def take_once_asked(self: CacheManager, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("snapshot"):
+            assert asked.wait(30)
+        return take(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "commit", commit_asking_anew)
+    monkeypatch.setattr(Scheduler, "save", save_asking)
+    monkeypatch.setattr(CacheManager, "commit", take_once_asked)
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = await rt.spawn("ann", max_tokens=4)
+        with anyio.fail_after(30):
+            first = await ann.ask("Hi")
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = rt.agent("ann")
+        assert ann.history[-1].content == first.text
+        again = await ann.ask("Again?")
+        assert again.usage.cached_tokens == again.usage.reusable_tokens > 0
 
 
 async def test_a_cache_in_host_memory_comes_back_while_its_write_hangs_and_outlives_its_failure(

@@ -17,15 +17,11 @@ from anyio.lowlevel import EventLoopToken
 
 from ...errors import CorruptStateError, MlxActorsError, RuntimeClosedError
 from ..caches._quantized import KVQuantization
-from ..engine._engine import BlockPoolBatchEngine
 from ..engine._records import CompletedGeneration
-from ..engine._solo import kept_for
-from ..kv._pool import AgentBlocks, BlockPool
-from ..kv._prefix import PrefixIndex
-from ..kv._spec import LayerKind, ModelCacheSpec
-from ..residency._host import HostCaches
+from ..kv._pool import AgentBlocks
+from ..kv._spec import ModelCacheSpec
 from ..residency._image import CacheImage
-from ..residency._manager import CacheManager
+from ._build import EngineOptions, build_loop, max_text_chars
 from ._disk import DiskWork
 from ._events import (
     Cancelled,
@@ -108,12 +104,16 @@ class Scheduler:
         log: Any = None,
     ) -> None:
         self._load = load
-        self._kv_quantization = kv_quantization
-        self._admission_window = admission_window
-        self._pool_blocks, self._pool_bytes = pool_blocks, pool_bytes
-        self._max_batch_size = max_batch_size
-        self._prefill_step_size = prefill_step_size
-        self._share_prefixes = share_prefixes
+        self._options = EngineOptions(
+            pool_blocks=pool_blocks,
+            pool_bytes=pool_bytes,
+            max_batch_size=max_batch_size,
+            prefill_step_size=prefill_step_size,
+            admission_window=admission_window,
+            share_prefixes=share_prefixes,
+            host_bytes=host_bytes,
+            kv_quantization=kv_quantization,
+        )
         self._log = log if log is not None else structlog.get_logger(__name__)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -123,15 +123,14 @@ class Scheduler:
         self._final: SchedulerStatistics | None = None
         self._token: EventLoopToken | None = None
         self._disk = DiskWork(store, self._put, log=self._log)
-        #: Snapshots taken with a commit, waiting for the agent's save, by agent.
+        #: Snapshots taken with a commit, waiting for the agent's save, by agent; and
+        #: every one the engine thread has not answered yet, by number.
         self._snapshots: dict[str, _Snapshot] = {}
+        self._unanswered: dict[int, _Snapshot] = {}
         self._numbers = itertools.count(1)
         #: Turns asked whose agents have not yet sent them (read by the engine thread;
         #: changed only on the event loop).
         self._coming = 0
-        #: Evicted caches also kept in memory (its budget is set when the pool is made:
-        #: ``host_bytes``, or half the pool's bytes).
-        self._host_bytes = host_bytes
         self.model: Any = None
         self.tokenizer: Any = None
         self.spec: ModelCacheSpec | None = None
@@ -281,7 +280,7 @@ class Scheduler:
         self._snapshots.pop(agent, None)  # one that no save took is stale now
         if snapshot:
             number = next(self._numbers)
-            self._snapshots[agent] = _Snapshot(number)
+            self._snapshots[agent] = self._unanswered[number] = _Snapshot(number)
         stored = self._disk.take_stored(agent)
         self._put(Commit(agent, blocks, hold, saving, number, stored))
 
@@ -390,7 +389,7 @@ class Scheduler:
         elif isinstance(command, (Save, Fork)):
             command.reply(None)
         elif isinstance(command, Commit) and command.snapshot:
-            self._snapshot_taken(command.agent, command.snapshot, None)
+            self._snapshot_taken(command.snapshot, None)
 
     def _fail(self, turn: Turn, error: BaseException) -> None:
         if not turn.settled.is_set():
@@ -431,16 +430,16 @@ class Scheduler:
                 self._disk.restored(agent)
             case SaveReady(command, image):
                 self._disk.save(command, image)
-            case Snapshot(agent, number, image):
-                self._snapshot_taken(agent, number, image)
+            case Snapshot(_, number, image):
+                self._snapshot_taken(number, image)
             case Statistics(reply, statistics):
                 reply(statistics)
             case Forked(command, on_disk):
                 command.reply(on_disk)
 
-    def _snapshot_taken(self, agent: str, number: int, image: CacheImage | None) -> None:
-        taken = self._snapshots.get(agent)
-        if taken is not None and taken.number == number:
+    def _snapshot_taken(self, number: int, image: CacheImage | None) -> None:
+        taken = self._unanswered.pop(number, None)
+        if taken is not None:
             taken.image = image
             taken.ready.set()
 
@@ -463,60 +462,20 @@ class Scheduler:
 
     def _start_engine(self) -> EngineLoop:
         model, tokenizer = self._load()
-        spec = ModelCacheSpec.from_model(model, quantization=self._kv_quantization)
-        index = PrefixIndex(spec)  # told of every block the pool releases
-        if self._pool_blocks is not None:
-            total = self._pool_blocks * spec.max_units
-            pool = BlockPool(spec, total_blocks=total, on_release=index.detach)
-        else:
-            budget = self._pool_bytes or 1 << 30
-            pool = BlockPool.from_bytes(spec, budget, on_release=index.detach)
-        host = self._host_bytes
-        host_caches = HostCaches(pool.budget_bytes // 2 if host is None else host)
-        kept = kept_for(pool)
-        outbox: Outbox = []
-        caches = CacheManager(
-            pool,
-            index,
-            kept,
-            host_caches,
-            log=self._log,
-            on_evicted=lambda agent, image: outbox.append(Evicted(agent, image)),
-            share_prefixes=self._share_prefixes,
-            persistent_store=self._disk.store.persistent,
-        )
-        engine = BlockPoolBatchEngine(
+        loop = build_loop(
             model,
             tokenizer,
-            pool,
-            max_batch_size=self._max_batch_size,
-            prefill_step_size=self._prefill_step_size,
-            share_prefixes=self._share_prefixes,
-            index=index,
-            kept_caches=kept,
-            make_room=caches.make_room,
-        )
-        self.model, self.tokenizer, self.spec = model, tokenizer, spec
-        self.max_text_chars = _max_text_chars(tokenizer, spec, pool.total_blocks)
-        self._log.info(
-            "scheduler.started",
-            layers=spec.num_layers,
-            sliding_layers=spec.sliding_layers,
-            block_bytes=spec.block_bytes,
-            pool_bytes=pool.budget_bytes,
-            max_batch_size=self._max_batch_size,
-            **_kv_fields(spec.quantization),
-        )
-        return EngineLoop(
-            engine,
-            caches,
-            outbox,
-            self._commands,
-            self._deliver_from_thread,
-            log=self._log,
-            admission_window=self._admission_window,
+            self._options,
+            persistent_store=self._disk.store.persistent,
+            commands=self._commands,
+            deliver=self._deliver_from_thread,
             coming=lambda: self._coming,
+            log=self._log,
         )
+        spec = loop.pool.spec
+        self.model, self.tokenizer, self.spec = model, tokenizer, spec
+        self.max_text_chars = max_text_chars(tokenizer, spec, loop.pool.total_blocks)
+        return loop
 
     def _deliver_from_thread(self, items: Outbox) -> None:
         anyio.from_thread.run_sync(self._deliver, items, token=self._token)
@@ -543,31 +502,3 @@ class Scheduler:
             self._final = loop.close(leftovers)
             self._deliver_from_thread(loop.outbox)
             self._log.info("scheduler.stopped", pool_used=self._final.pool.used_blocks)
-
-
-def _max_text_chars(tokenizer: Any, spec: ModelCacheSpec, pool_units: int) -> int | None:
-    """More characters than the most tokens one turn can hold, each as long as the
-    vocabulary's longest token, can never fit (``None``: the vocabulary is unknown)."""
-    try:
-        longest = max(len(piece) for piece in tokenizer.get_vocab())
-    except Exception:
-        return None
-    global_layers = spec.num_layers - spec.sliding_layers
-    per_block = sum(
-        spec.units(i) for i, layer in enumerate(spec.layers) if layer.kind is LayerKind.GLOBAL
-    )
-    tokens = pool_units // max(per_block, 1) * spec.block_size
-    if spec.context_length is not None and global_layers:
-        tokens = min(tokens, spec.context_length)
-    elif spec.context_length is not None:
-        tokens = spec.context_length
-    return max(tokens, 1) * max(longest, 1)
-
-
-def _kv_fields(q: KVQuantization | None) -> dict[str, Any]:
-    """What the start log says of a quantized cache: its bits, and whether global layers
-    attend through mlx-lm's quantized attention or over dequantized keys and values
-    (where that cannot run: MLX's CUDA backend)."""
-    if q is None:
-        return {}
-    return {"kv_bits": q.bits, "kv_attention": q.attention}
