@@ -17,13 +17,10 @@ from ...errors import (
     EngineError,
     InvalidRequestError,
     MlxActorsError,
-    PoolExhaustedError,
 )
 from ..kv._blocks import (
     evaluate,
     make_cache,
-    pieces,
-    plan_cut,
     to_cache,
 )
 from ..kv._pool import AgentBlocks, BlockPool
@@ -190,7 +187,7 @@ class BlockPoolBatchEngine:
         self.output = Output(self.spec, pool, index, self._kept_caches, self._eos)
         self._refused: list[tuple[int, MlxActorsError]] = []
         self._steps = self._prefill_tokens = self._generated_tokens = 0
-        self._max_decode_batch = self._checkpoints = 0
+        self._max_decode_batch = 0
         self._solo_tokens = self._hot_starts = 0
         self.last_step: StepInfo | None = None
 
@@ -414,70 +411,26 @@ class BlockPoolBatchEngine:
             done += n
             ran += 1
             if job.stops_at(job.pos):
-                self._publish(job, job.pos)
+                for seq, error in self.planner.publish(job, job.pos):
+                    self._refuse(seq, error)
                 self._start_pending()  # the waiters' own jobs can run in this step too
             if job.orphaned:
-                self._drop_job(job)
+                self.planner.drop_job(job)
             elif job.pos == job.end:
                 self._end_job(job)
             else:
                 at += 1
         return ran, done
 
-    def _publish(self, job: PrefillJob, at: int) -> None:
-        """Cut the job's cache at ``at`` into blocks (indexed, so the waiting sequences
-        find them) and plan the sequences that waited for it."""
-        waiting, keepers = job.checkpoints.pop(at, []), job.keeps.pop(at, [])
-        assert job.cache is not None
-        cut = plan_cut(
-            self.pool,
-            job.cache,
-            job.tokens[:at],
-            index=self.index,
-            namespace=job.namespace,
-            path=job.source.path,
-        )
-        try:
-            self.planner.grow(job, cut.new_blocks)
-        except PoolExhaustedError:
-            cut.abandon()  # the waiting sequences start from what they can find
-        else:
-            blocks = cut.apply(job.reservation)
-            evaluate([blocks])
-            job.held.extend(blocks.blocks())
-            self._checkpoints += 1
-            for seq in keepers:  # (the blocks stay held: by the job, which its owner
-                seq.checkpoint = pieces(self.spec, blocks, at)  # inherits, or by seq)
-                if seq is not job.owner:
-                    seq.kept_blocks = [self.pool.share(b) for b in blocks.blocks()]
-            if waiting:
-                job.published.append(at)
-        seed = snapshot(job.cache)
-        for seq in waiting:
-            seq.waiting, seq.seed = None, seed
-            try:
-                self.planner.plan(seq)
-            except MlxActorsError as exc:
-                self._refuse(seq, exc)
-
     def _end_job(self, job: PrefillJob) -> None:
         self.planner.jobs.remove(job)
         seq = job.owner
         if seq is None:
-            self._release_job(job)
+            job.release(self.pool)
             return
         seq.reservation, seq.held, seq.job = job.reservation, job.held, None
         seq.anchors = (*seq.anchors, *job.published)
         self._insert(seq, job.cache, job.pos)
-
-    def _drop_job(self, job: PrefillJob) -> None:
-        self.planner.jobs.remove(job)
-        self._release_job(job)
-
-    def _release_job(self, job: PrefillJob) -> None:
-        job.reservation.release()
-        self.pool.free(job.held)
-        job.held = []
 
     def _start_pending(self) -> None:
         """Start the sequences planned since the last step. A long prefill, or any on a
@@ -620,12 +573,12 @@ class BlockPoolBatchEngine:
             job, _ = seq.waiting
             job.leave(seq)
             if job.orphaned and job in self.planner.jobs:
-                self._drop_job(job)
+                self.planner.drop_job(job)
         elif seq.state is SequenceState.JOB:
             assert seq.job is not None
             seq.job.leave(seq)  # it goes on for the sequences that wait on it
             if seq.job.orphaned:
-                self._drop_job(seq.job)
+                self.planner.drop_job(seq.job)
         seq.release(self.pool)
         return True
 
@@ -655,7 +608,7 @@ class BlockPoolBatchEngine:
             max_decode_batch=self._max_decode_batch,
             shared_tokens=self.output.shared_tokens,
             prefill_jobs=self.planner.prefill_jobs,
-            checkpoints=self._checkpoints,
+            checkpoints=self.planner.checkpoints,
             solo_tokens=self._solo_tokens,
             hot_starts=self._hot_starts,
         )
@@ -665,7 +618,7 @@ class BlockPoolBatchEngine:
         for seq in self._sequences.values():
             seq.release(self.pool)
         for job in self.planner.jobs:
-            self._release_job(job)
+            job.release(self.pool)
         self._sequences.clear()
         self._running.clear()
         self.planner.pending.clear()

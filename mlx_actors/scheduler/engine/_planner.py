@@ -9,8 +9,15 @@ from collections.abc import Callable
 
 import attrs
 
-from ...errors import PoolExhaustedError
-from ..kv._blocks import blocks_needed, checkpoint_blocks, checkpoint_copies
+from ...errors import MlxActorsError, PoolExhaustedError
+from ..kv._blocks import (
+    blocks_needed,
+    checkpoint_blocks,
+    checkpoint_copies,
+    evaluate,
+    pieces,
+    plan_cut,
+)
 from ..kv._pool import BlockPool
 from ..kv._prefix import PrefixIndex
 from ..kv._spec import ModelCacheSpec
@@ -22,7 +29,9 @@ from ._sequence import EngineSequence, SequenceState
 
 class Planner:
     """Plans sequences, and keeps those not yet running: ``pending`` (to start at the
-    next step) and the prefill ``jobs`` (running, or queued to start).
+    next step) and the prefill ``jobs`` (running, or queued to start); when a job
+    reaches a checkpoint, publishes it as blocks and plans the sequences that waited
+    there.
 
     ``make_room(agent)`` is called when a reservation fails; it returns whether it freed
     blocks (by moving an idle agent's cache out of the pool), so that the planner tries
@@ -47,8 +56,8 @@ class Planner:
         self._make_room = make_room
         self.pending: list[EngineSequence] = []
         self.jobs: list[PrefillJob] = []
-        #: Prefill jobs made so far.
-        self.prefill_jobs = 0
+        #: Prefill jobs made so far, and checkpoints they published.
+        self.prefill_jobs = self.checkpoints = 0
 
     def plan(self, seq: EngineSequence) -> None:
         """Decide where ``seq`` starts: take references to the longest prefix live blocks
@@ -224,3 +233,47 @@ class Planner:
             except PoolExhaustedError:
                 if self._make_room is None or not self._make_room(agent):
                     raise
+
+    def publish(self, job: PrefillJob, at: int) -> list[tuple[EngineSequence, MlxActorsError]]:
+        """Cut the job's cache at ``at`` into blocks (indexed, so the waiting sequences
+        find them) and plan the sequences that waited for it; returns those that can no
+        longer be planned, each with its error."""
+        waiting, keepers = job.checkpoints.pop(at, []), job.keeps.pop(at, [])
+        assert job.cache is not None
+        cut = plan_cut(
+            self.pool,
+            job.cache,
+            job.tokens[:at],
+            index=self.index,
+            namespace=job.namespace,
+            path=job.source.path,
+        )
+        try:
+            self.grow(job, cut.new_blocks)
+        except PoolExhaustedError:
+            cut.abandon()  # the waiting sequences start from what they can find
+        else:
+            blocks = cut.apply(job.reservation)
+            evaluate([blocks])
+            job.held.extend(blocks.blocks())
+            self.checkpoints += 1
+            for seq in keepers:  # (the blocks stay held: by the job, which its owner
+                seq.checkpoint = pieces(self.spec, blocks, at)  # inherits, or by seq)
+                if seq is not job.owner:
+                    seq.kept_blocks = [self.pool.share(b) for b in blocks.blocks()]
+            if waiting:
+                job.published.append(at)
+        seed = snapshot(job.cache)
+        refused = []
+        for seq in waiting:
+            seq.waiting, seq.seed = None, seed
+            try:
+                self.plan(seq)
+            except MlxActorsError as exc:
+                refused.append((seq, exc))
+        return refused
+
+    def drop_job(self, job: PrefillJob) -> None:
+        """Stop a prefill job no sequence needs any more; give back what it holds."""
+        self.jobs.remove(job)
+        job.release(self.pool)

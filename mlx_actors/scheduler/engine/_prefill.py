@@ -16,7 +16,7 @@ from ..caches._dequantized import DequantizedKVCache
 from ..caches._margin import MarginRotatingKVCache
 from ..caches._quantized import BlockQuantizedKVCache, sliced
 from ..kv._blocks import make_cache, to_cache
-from ..kv._pool import KVBlock, Reservation
+from ..kv._pool import BlockPool, KVBlock, Reservation
 from ..kv._prefix import Source
 from ..kv._spec import BLOCK_SIZE, ModelCacheSpec
 from ._buffers import release_prefill_buffers
@@ -83,6 +83,12 @@ class PrefillJob:
 
     def stops_at(self, at: int) -> bool:
         return at in self.checkpoints or at in self.keeps
+
+    def release(self, pool: BlockPool) -> None:
+        """Give back its reservation and the references it holds."""
+        self.reservation.release()
+        pool.free(self.held)
+        self.held = []
 
     @property
     def orphaned(self) -> bool:
