@@ -138,6 +138,7 @@ class Envelope:
                 await self.agent._post(self)
             self.in_mailbox = True
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self.arrived()  # it never reaches the mailbox: no longer expected
             raise self.agent._closed_error() from None
         except BaseException as exc:
             await self.abandon()

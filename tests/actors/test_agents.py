@@ -248,6 +248,34 @@ async def test_a_full_mailbox_makes_senders_wait(tiny_dir: Path) -> None:
         assert [m.content for m in fay.history[::2]] == QUESTIONS[1:3]
 
 
+async def test_a_sender_waiting_on_a_closed_agents_mailbox_is_no_longer_expected(
+    tiny_dir: Path,
+) -> None:
+    # An ask is announced to the scheduler as it is sent (an idle engine waits a moment
+    # for announced turns); one that never reaches the mailbox must be taken back.
+    async with runtime(tiny_dir) as rt:
+        fay = await rt.spawn("fay", max_tokens=8, mailbox_size=1)
+        errors: list[BaseException] = []
+
+        async def ask(text: str) -> None:
+            try:
+                await fay.ask(text)
+            except AgentClosedError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            async with fay.stream(QUESTIONS[0], max_tokens=3000) as running:
+                await anext(running)
+                tg.start_soon(ask, QUESTIONS[1])  # queued
+                await wait_all_tasks_blocked()
+                tg.start_soon(ask, QUESTIONS[2])  # waits for room in the mailbox
+                await wait_all_tasks_blocked()
+                assert fay.statistics().senders_waiting == 1
+                await fay.close()
+        assert len(errors) == 2
+        assert rt._scheduler._coming == 0  # nothing announced is still expected
+
+
 async def test_leaving_the_runtime_fails_waiting_callers_and_returns_every_block(
     tiny_dir: Path,
 ) -> None:
