@@ -60,10 +60,9 @@ Loader = Callable[[], tuple[Any, Any]]
 
 @attrs.define
 class _Snapshot:
-    """A snapshot of an agent's cache taken with its commit (number ``number``), for
-    its save; ``image`` is set when it comes back (``None``: nothing to write)."""
+    """A snapshot of an agent's cache taken with its commit, for its save; ``image``
+    is set when it comes back (``None``: nothing to write)."""
 
-    number: int
     ready: anyio.Event = attrs.Factory(anyio.Event)
     image: CacheImage | None = None
 
@@ -280,7 +279,7 @@ class Scheduler:
         self._snapshots.pop(agent, None)  # one that no save took is stale now
         if snapshot:
             number = next(self._numbers)
-            self._snapshots[agent] = self._unanswered[number] = _Snapshot(number)
+            self._snapshots[agent] = self._unanswered[number] = _Snapshot()
         stored = self._disk.take_stored(agent)
         self._put(Commit(agent, blocks, hold, saving, number, stored))
 
