@@ -11,7 +11,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx_lm.generate import BatchGenerator
 
 from ...errors import (
     EngineError,
@@ -20,30 +19,28 @@ from ...errors import (
 )
 from ..kv._blocks import (
     evaluate,
-    make_cache,
-    to_cache,
 )
 from ..kv._pool import AgentBlocks, BlockPool
 from ..kv._prefix import PrefixIndex
-from ..kv._spec import BLOCK_SIZE, ModelCacheSpec
+from ..kv._spec import ModelCacheSpec
+from ._batch import Batch
 from ._intake import Intake
 from ._output import Output
 from ._pacing import Pacing
 from ._pacing import chunk as fit
 from ._planner import Planner
-from ._prefill import PrefillJob, snapshot
+from ._prefill import PrefillJob
 from ._records import (
     Admission,
     CompletedGeneration,
     EngineStatistics,
-    FinishReason,
     LogitsProcessor,
     Sampling,
     StepInfo,
     TokenEvent,
 )
 from ._sequence import EngineSequence, SequenceState
-from ._solo import KeptCaches, Solo, kept_for
+from ._solo import KeptCaches, kept_for
 
 _AUTO: Any = object()
 
@@ -168,27 +165,38 @@ class BlockPoolBatchEngine:
             prefill_step_size=prefill_step_size,
             stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
         )
-        self._eos = frozenset(tokenizer.eos_token_ids)
+        eos = frozenset(tokenizer.eos_token_ids)
         #: The width of the model's logits (token ids it can read and produce).
         self.vocab_size = _vocab_size(model, tokenizer)
         self._intake = Intake(self.spec, pool, tokenizer, self.vocab_size)
-        self._generator = BatchGenerator(model, **self._generator_options)
         self._uids = itertools.count()
         self._sequences: dict[int, EngineSequence] = {}
-        self._running: dict[int, EngineSequence] = {}  # by the generator's uid
-        #: The sequence decoding alone, outside the generator, and how.
-        self._solo: tuple[EngineSequence, Solo] | None = None
-        #: Finished while being handed to the generator, this step.
-        self._done: list[CompletedGeneration] = []
         #: Agents whose prompts ran in the step under way.
         self._prefilled: list[str] = []
         #: Caches of sequences that finished alone, for their agents' next turns.
         self._kept_caches = kept_caches if kept_caches is not None else kept_for(pool)
-        self.output = Output(self.spec, pool, index, self._kept_caches, self._eos)
+        self.output = Output(self.spec, pool, index, self._kept_caches, eos)
+        self.batch = Batch(
+            model,
+            self.spec,
+            self.output,
+            self._kept_caches,
+            self.pacing,
+            eos,
+            prefill_step_size=prefill_step_size,
+            generator_options=dict(
+                completion_batch_size=max_batch_size,
+                # Long prompts and long histories are prefilled as jobs: what joins the
+                # generator's own prompt batches is short, and each join copies every
+                # cache of the running batch, so sequences ready together join in one.
+                prefill_batch_size=max_batch_size,
+                prefill_step_size=prefill_step_size,
+                stop_tokens=[[t] for t in sorted(eos)],
+            ),
+        )
         self._refused: list[tuple[int, MlxActorsError]] = []
         self._steps = self._prefill_tokens = self._generated_tokens = 0
         self._max_decode_batch = 0
-        self._solo_tokens = self._hot_starts = 0
         self.last_step: StepInfo | None = None
 
     # -- submitting -------------------------------------------------------------------
@@ -289,72 +297,26 @@ class BlockPoolBatchEngine:
             self.last_step = None
             return []
         started = time.perf_counter()
-        joined = len(self._running)
+        joined = len(self.batch.running)
         self.output.decoded = 0
         self._prefilled = []
         try:
             self._start_pending()
             jobs, prefill = self._run_jobs()
             jobs_done = time.perf_counter()
-            joined = len(self._running) - joined
-            left = max(self.pacing.floor, self.pacing.budget() - prefill)
-            prompt_responses, responses = self._generator_step(left) if self._running else ([], [])
-            solo: tuple[EngineSequence, Solo, int, str | None] | None = None
-            if self._solo is not None:
-                seq, run = self._solo
-                if not run.prefilled:
-                    self._prefilled.append(seq.agent_id)
-                    began = time.perf_counter()
-                    ran = run.prefill(left)
-                    self.pacing.record(ran, time.perf_counter() - began)
-                    prefill += ran
-                if run.prefilled and not run.started:
-                    run.begin()
-                    prefill += 1  # the last prompt token, as the generator counts it
-                if run.started:
-                    solo = (seq, run, *run.next())
+            joined = len(self.batch.running) - joined
+            work = self.batch.advance(max(self.pacing.floor, self.pacing.budget() - prefill))
         except Exception as exc:
             uids = self._reset()
             raise EngineError(
                 f"the model step failed ({exc!r}); {len(uids)} sequences were dropped",
                 uids=uids,
             ) from exc
-        now = time.perf_counter()
-        prompted_tokens = 0
-        for pr in prompt_responses:
-            prompted = self._running.get(pr.uid)
-            if prompted is not None:
-                self._prefilled.append(prompted.agent_id)
-                done = int(pr.progress[0])
-                prompted_tokens += max(0, done - prompted.prefilled)
-                prompted.prefilled = max(done, prompted.prefilled)
-                prompted.prompting = not pr.end_of_prompt
-        if prompted_tokens and not responses:  # nothing decoded: the step was prefill
-            self.pacing.record(prompted_tokens, now - jobs_done)
-        prefill += prompted_tokens
-        finished, self._done = self._done, []
-        stopped: list[EngineSequence] = []
-        decoded = [self._running[r.uid].agent_id for r in responses]
-        if solo is not None:
-            decoded.append(solo[0].agent_id)
-        for r in responses:
-            seq = self._running[r.uid]
-            reason = self.output.emit(seq, r.token, r.finish_reason, now, r.logprobs)
-            if r.finish_reason is not None:
-                finished.append(self._finish(seq, r.prompt_cache, reason or r.finish_reason))
-            elif reason is not None:
-                stopped.append(seq)
-        if stopped:
-            gen_uids = [s.gen_uid for s in stopped]
-            caches = self._generator.remove(gen_uids, return_prompt_caches=True)
-            finished.extend(self._finish(s, caches[s.gen_uid][0], "stop") for s in stopped)
-        if solo is not None:
-            seq, run, token, why = solo
-            self._solo_tokens += 1
-            reason = self.output.emit(seq, token, why, now, run.logprobs)
-            if reason is not None:
-                self._solo = None
-                finished.append(self._finish(seq, run.settle(), reason))
+        finished, decoded = self.batch.collect(work, time.perf_counter())
+        for done in finished:
+            del self._sequences[done.uid]
+        prefill += work.prefill
+        self._prefilled.extend(work.prefilled)
         if finished:  # one evaluation (one wait for the device) for every finished cache
             evaluate([f.blocks for f in finished])
         self._steps += 1
@@ -376,16 +338,6 @@ class BlockPoolBatchEngine:
         )
         return finished
 
-    def _generator_step(self, budget: int) -> tuple[list[Any], list[Any]]:
-        """One step of the ``BatchGenerator``, its prompts' chunks sized so that together
-        they run about ``budget`` tokens."""
-        prompting = sum(1 for seq in self._running.values() if seq.prompting)
-        if prompting:
-            share = max(1, budget // prompting)
-            share = 1 << (share.bit_length() - 1)  # few distinct shapes (see Pacing)
-            self._generator.prefill_step_size = min(self.prefill_step_size, share)
-        return self._generator.next()  # type: ignore[no-any-return]
-
     def _run_jobs(self) -> tuple[int, int]:
         """A chunk of each prefill job, oldest first, while the step's budget lasts (as
         many tokens as ``prefill_batch_size`` chunks): publish the checkpoints they reach
@@ -394,7 +346,7 @@ class BlockPoolBatchEngine:
         prefilled."""
         # Chunks of ``prefill_step_size`` keep the decoding sequences' steps short; when
         # nothing decodes, chunks as large as mlx-lm's own; all within the step's pace.
-        decoding = self._running or self._solo is not None
+        decoding = self.batch.busy
         chunk = self.prefill_step_size if decoding else max(self.prefill_step_size, 2048)
         budget = min(chunk * self.prefill_batch_size, self.pacing.budget())
         chunk = min(chunk, budget)
@@ -404,7 +356,7 @@ class BlockPoolBatchEngine:
             if job.owner is not None:
                 self._prefilled.append(job.owner.agent_id)
             began = time.perf_counter()
-            with mx.stream(self._generator.stream):
+            with mx.stream(self.batch.stream):
                 limit = fit(min(chunk, budget - done), job.next_stop() - job.pos)
                 n = job.run_chunk(self.model, self.spec, limit)
             self.pacing.record(n, time.perf_counter() - began)
@@ -430,7 +382,7 @@ class BlockPoolBatchEngine:
             return
         seq.reservation, seq.held, seq.job = job.reservation, job.held, None
         seq.anchors = (*seq.anchors, *job.published)
-        self._insert(seq, job.cache, job.pos)
+        self.batch.insert(seq, job.cache, job.pos)
 
     def _start_pending(self) -> None:
         """Start the sequences planned since the last step. A long prefill, or any on a
@@ -440,116 +392,23 @@ class BlockPoolBatchEngine:
         pending, self.planner.pending = self.planner.pending, []
         # One short prompt alone decodes outside the batch at once, from its agent's
         # last cache if that is kept (no blocks to gather), whatever its history.
-        lone = len(pending) == 1 and not self.planner.jobs and not self._running and not self._solo
+        lone = len(pending) == 1 and not self.planner.jobs and not self.batch.busy
         for seq in pending:
             cached = seq.source.length
             uncached = len(seq.tokens) - 1 - cached
             if self.planner.lost(seq):
                 self.planner.make_job(seq)  # it keeps the sliding layers' state at seq.kept
             elif lone and uncached < self.long_prefill:
-                self._insert(seq, None)
+                self.batch.insert(seq, None)
             elif uncached > 0 and max(uncached, cached) >= self.long_prefill:
                 self.planner.make_job(seq)
             else:
-                self._insert(seq, None)
-
-    def _insert(self, seq: EngineSequence, cache: list[Any] | None, start: int = 0) -> None:
-        """Start ``seq``: with ``cache`` (a prefill job's, holding its first ``start``
-        tokens), else with a cache built from its source blocks. Alone, it decodes
-        outside the batch (:class:`Solo`); else in the batch, which a sequence decoding
-        alone joins first."""
-        alone = self._solo is None and not self._running
-        if cache is None:
-            start = seq.source.length
-            if alone and start:
-                cache = self._kept_caches.take(seq.agent_id, seq.tokens, start)
-                self._hot_starts += cache is not None
-        if cache is None and seq.seed is not None and seq.seed[0].offset == start:
-            cache = snapshot(seq.seed)
-        elif cache is None and start:
-            # Alone, the cache is updated in place: room for the prompt and a block of
-            # reply saves copying it all again at the first update.
-            room = len(seq.tokens) - start + BLOCK_SIZE if alone else 0
-            cache = to_cache(self.spec, seq.source.layers, start, room=room)
-        seq.seed = None
-        if seq.source.length > seq.kept:  # a prefix computed for others: keep its state
-            seq.anchors = (*seq.anchors, seq.source.length)
-        prompt = seq.tokens[start:]
-        if alone:
-            run = Solo(
-                self.model,
-                cache if cache is not None else make_cache(self.spec),
-                prompt,
-                sampler=seq.sampler,
-                budget=seq.budget,
-                eos=self._eos,
-                stream=self._generator.stream,
-                processors=seq.processors,
-                context=seq.tokens[:-1],
-            )
-            seq.state, self._solo = SequenceState.SOLO, (seq, run)
-            return
-        if self._solo is not None:
-            self._hand_over()
-        self._join(seq, prompt, cache, seq.budget)
-
-    def _join(
-        self,
-        seq: EngineSequence,
-        prompt: list[int],
-        cache: list[Any] | None,
-        budget: int,
-        *,
-        generated: bool = False,
-    ) -> None:
-        """Insert ``seq`` into the ``BatchGenerator`` with ``prompt`` on ``cache``; a
-        ``generated`` prompt (the token a lone sequence sampled) is not counted as
-        prefilled."""
-        seq.prompting = len(prompt) > 1
-        seq.prefilled = len(prompt) if generated else 0
-        context = None
-        if seq.processors:  # they read the whole sequence: the tokens before the prompt too
-            done = [*seq.tokens, *seq.generated]
-            context = [done[: len(done) - len(prompt)]]
-        (gen_uid,) = self._generator.insert(
-            [prompt],
-            max_tokens=[budget],
-            caches=[cache if cache is not None else make_cache(self.spec)],
-            all_tokens=context,
-            samplers=[seq.sampler] if seq.sampler is not None else None,
-            logits_processors=[seq.processors] if seq.processors else None,
-        )
-        seq.state, seq.gen_uid = SequenceState.RUNNING, gen_uid
-        self._running[gen_uid] = seq
-
-    def _hand_over(self) -> None:
-        """Move the sequence decoding alone into the batch: it emits the token it has
-        sampled, and joins with that token as its prompt, on its cache (or finishes)."""
-        assert self._solo is not None
-        (seq, run), self._solo = self._solo, None
-        if not run.started:
-            self._join(seq, run.prompt[run.done :], run.cache, seq.budget)
-            return
-        token, ended = run.next(go_on=False)
-        self._solo_tokens += 1
-        reason = self.output.emit(seq, token, ended, time.perf_counter(), run.logprobs)
-        if reason is not None:
-            self._done.append(self._finish(seq, run.settle(), reason))
-        else:
-            self._join(seq, [token], run.cache, seq.budget - len(seq.generated), generated=True)
+                self.batch.insert(seq, None)
 
     def _refuse(self, seq: EngineSequence, error: MlxActorsError) -> None:
         del self._sequences[seq.uid]
         seq.release(self.pool)
         self._refused.append((seq.uid, error))
-
-    def _finish(
-        self, seq: EngineSequence, cache: list[Any], reason: FinishReason
-    ) -> CompletedGeneration:
-        del self._sequences[seq.uid]
-        if seq.gen_uid is not None:
-            del self._running[seq.gen_uid]
-        return self.output.finish(seq, cache, reason)
 
     def cancel(self, uid: int) -> bool:
         """Drop a queued or running sequence and return its reserved blocks.
@@ -560,12 +419,8 @@ class BlockPoolBatchEngine:
         seq = self._sequences.pop(uid, None)
         if seq is None:
             return False
-        if seq.state is SequenceState.RUNNING:
-            assert seq.gen_uid is not None
-            del self._running[seq.gen_uid]
-            self._generator.remove([seq.gen_uid])
-        elif seq.state is SequenceState.SOLO:
-            self._solo = None
+        if seq.state in (SequenceState.RUNNING, SequenceState.SOLO):
+            self.batch.remove(seq)
         elif seq.state is SequenceState.PENDING:
             self.planner.pending.remove(seq)
         elif seq.state is SequenceState.PARKED:
@@ -609,8 +464,8 @@ class BlockPoolBatchEngine:
             shared_tokens=self.output.shared_tokens,
             prefill_jobs=self.planner.prefill_jobs,
             checkpoints=self.planner.checkpoints,
-            solo_tokens=self._solo_tokens,
-            hot_starts=self._hot_starts,
+            solo_tokens=self.batch.solo_tokens,
+            hot_starts=self.batch.hot_starts,
         )
 
     def _reset(self) -> list[int]:
@@ -620,19 +475,15 @@ class BlockPoolBatchEngine:
         for job in self.planner.jobs:
             job.release(self.pool)
         self._sequences.clear()
-        self._running.clear()
         self.planner.pending.clear()
         self.planner.jobs.clear()
-        self._solo, self._done = None, []
-        self._kept_caches.drop()
-        self._generator.close()
-        self._generator = BatchGenerator(self.model, **self._generator_options)
+        self.batch.reset()
         return uids
 
     def close(self) -> None:
         """Cancel everything in flight and release the generator."""
         self._reset()
-        self._generator.close()
+        self.batch.close()
 
 
 def _vocab_size(model: Module, tokenizer: Any) -> int:
