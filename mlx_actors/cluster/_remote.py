@@ -4,21 +4,37 @@ replica generates it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
 from ..actors import Message, Reply
+from ._placement import Placement
+from ._replicas import Replicas
 
-if TYPE_CHECKING:
-    from ._cluster import Cluster
+
+class AgentHome(Protocol):
+    """What a handle asks of the cluster that placed its agent (a ``Cluster``)."""
+
+    _placement: Placement
+    _replicas: Replicas
+
+    def replica_of(self, name: str) -> int: ...
+
+    async def _home(self, name: str) -> int: ...
+
+    async def _on_agent(self, name: str, method: str, *args: Any) -> Any: ...
+
+    async def _start(
+        self, name: str, system: str | None, index: int | None, method: str, *args: Any
+    ) -> RemoteAgent: ...
 
 
 @attrs.frozen(eq=False)
 class RemoteAgent:
-    """An agent of a :class:`Cluster`: the agent API, each call made on its replica."""
+    """An agent of a ``Cluster``: the agent API, each call made on its replica."""
 
-    cluster: Cluster
+    cluster: AgentHome
     name: str
 
     @property
