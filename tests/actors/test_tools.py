@@ -523,34 +523,6 @@ async def test_a_tool_conversation_survives_a_restart(model: Loaded, tmp_path: P
         assert reply.usage.cached_tokens > 0
 
 
-@pytest.mark.smollm
-@pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_the_default_model_calls_a_real_tool_and_reads_its_result() -> None:
-    """SmolLM2-135M's template knows nothing of tools: it is told of them in its system
-    prompt; required, its first reply is a call; it then answers from the result. (That
-    tool conversations equal mlx-lm's is checked on the tiny models above: prefilling
-    this one again for mlx-lm would take a minute on a 2-core CPU.)"""
-    cities: list[str] = []
-
-    def get_weather(city: str) -> str:
-        """Get the current weather in a city.
-
-        Args:
-            city: the city's name.
-        """
-        cities.append(city)
-        return f"It is sunny and 21 degrees in {city}."
-
-    async with Runtime(log_level="off") as rt:
-        agent = await rt.spawn("assistant", tools=[get_weather], max_tokens=64)
-        reply = await agent.ask("What is the weather like in Paris?", tool_choice="required")
-        assert cities == ["Paris"]
-        assert reply.tool_calls[0].result == "It is sunny and 21 degrees in Paris."
-        assert "sunny" in reply.text and "21 degrees" in reply.text
-        assert reply.usage.cached_tokens > 0  # the answer's round prefilled only the result
-
-
 @pytest.mark.anyio
 async def test_a_tool_conversation_is_evicted_and_comes_back_exactly(model: Loaded) -> None:
     async with Runtime(model.path, pool_blocks=20, log_level="off") as rt:

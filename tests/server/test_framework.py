@@ -1,6 +1,9 @@
 """A real agent framework against the server, on the embedded default model: the OpenAI
 Agents SDK's agent calls a tool and answers, and a typed answer comes through
-``response_format`` (``examples/agents_sdk.py``, run as a user runs it)."""
+``response_format`` (``examples/agents_sdk.py``, run as a user runs it). This is where the
+default model's tool use is checked: its template knows nothing of tools, so it is told
+of them in its system prompt, calls the tool with the city asked and answers from the
+result (tool conversations equal mlx-lm's on the tiny models, in ``tests/actors``)."""
 
 from __future__ import annotations
 
