@@ -82,6 +82,15 @@ def native_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+#: Each tool format on one event loop (native on asyncio, the fallback on trio), for tests
+#: whose loop does not change what they check: half the runs of the full cross.
+EACH_TOOL_FORMAT_ON_ONE_LOOP = pytest.mark.parametrize(
+    ("tools_model", "anyio_backend"),
+    [("native", "asyncio"), ("fallback", "trio")],
+    indirect=["tools_model"],
+)
+
+
 @pytest.fixture(scope="session", params=["native", "fallback"])
 def tools_model(request: pytest.FixtureRequest, native_dir: Path, tiny_dir: Path) -> Loaded:
     """A model with a tools template, and one whose template knows nothing of tools."""

@@ -15,7 +15,7 @@ from mlx_actors.actors import as_tools
 from mlx_actors.actors._tool_format import tool_format
 from mlx_actors.errors import InvalidRequestError
 
-from ..conftest import Loaded, ReferenceChat, add, reference, render
+from ..conftest import EACH_TOOL_FORMAT_ON_ONE_LOOP, Loaded, ReferenceChat, add, reference, render
 from .test_agents import common_prefix
 
 pytestmark = pytest.mark.anyio
@@ -81,6 +81,7 @@ async def test_an_edited_history_goes_back_to_where_it_parts(tiny: Loaded) -> No
         assert stats.pool.used_blocks == agent.statistics().cached_blocks
 
 
+@EACH_TOOL_FORMAT_ON_ONE_LOOP
 async def test_a_tool_round_through_the_caller_equals_the_agents_own(
     tools_model: Loaded,
 ) -> None:
@@ -109,6 +110,7 @@ async def test_a_tool_round_through_the_caller_equals_the_agents_own(
         assert caller.history[1].content == first.text  # kept as the model wrote it
 
 
+@EACH_TOOL_FORMAT_ON_ONE_LOOP
 async def test_calls_written_by_the_caller_render_as_the_model_writes_them(
     tools_model: Loaded,
 ) -> None:

@@ -24,7 +24,7 @@ from mlx_actors.actors import as_tools
 from mlx_actors.actors._tool_format import tool_format
 from mlx_actors.errors import InvalidRequestError, TurnTimeoutError
 
-from ..conftest import Loaded, load, reference
+from ..conftest import EACH_TOOL_FORMAT_ON_ONE_LOOP, Loaded, load, reference
 
 CALLS: list[tuple[int, int]] = []
 
@@ -122,6 +122,7 @@ def test_calls_are_read_from_text_in_order(tiny: Loaded) -> None:
 # -- the loop --------------------------------------------------------------------------------
 
 
+@EACH_TOOL_FORMAT_ON_ONE_LOOP
 @pytest.mark.anyio
 async def test_a_required_call_runs_and_its_result_reaches_the_model(model: Loaded) -> None:
     CALLS.clear()
@@ -458,6 +459,7 @@ async def test_max_tool_rounds_ends_the_turn_with_the_calls_not_run(tiny_dir: Pa
             await plain.ask("2 + 3?", tool_choice="required")
 
 
+@EACH_TOOL_FORMAT_ON_ONE_LOOP
 @pytest.mark.anyio
 async def test_a_schema_reply_after_tool_calls(model: Loaded) -> None:
     class Answer(pydantic.BaseModel):
@@ -503,6 +505,7 @@ async def test_tool_turns_stream_every_round(tiny_dir: Path) -> None:
         assert json.loads(call_text.split("\n")[1])["name"] == "add"
 
 
+@EACH_TOOL_FORMAT_ON_ONE_LOOP
 @pytest.mark.anyio
 async def test_a_tool_conversation_survives_a_restart(model: Loaded, tmp_path: Path) -> None:
     async with Runtime(model.path, pool_blocks=200, log_level="off", state_dir=tmp_path) as rt:
@@ -523,6 +526,7 @@ async def test_a_tool_conversation_survives_a_restart(model: Loaded, tmp_path: P
         assert reply.usage.cached_tokens > 0
 
 
+@EACH_TOOL_FORMAT_ON_ONE_LOOP
 @pytest.mark.anyio
 async def test_a_tool_conversation_is_evicted_and_comes_back_exactly(model: Loaded) -> None:
     async with Runtime(model.path, pool_blocks=20, log_level="off") as rt:
@@ -625,6 +629,7 @@ async def test_tool_arguments_with_models_and_the_choice_checked_everywhere(tiny
             picky.use_tools([add])  # its default choice names a tool it would lose
 
 
+@EACH_TOOL_FORMAT_ON_ONE_LOOP
 @pytest.mark.anyio
 async def test_a_call_that_could_not_be_read_stays_unread_after_a_restart(
     model: Loaded, tmp_path: Path
