@@ -106,7 +106,7 @@ class Batch:
         alone = not self.busy
         if cache is None:
             start = seq.source.length
-            if alone and start:
+            if start:  # alone it runs on it; joining, the batch copies it (no gather)
                 cache = self.kept_caches.take(seq.agent_id, seq.tokens, start)
                 self.hot_starts += cache is not None
         if cache is None and seq.seed is not None and seq.seed[0].offset == start:

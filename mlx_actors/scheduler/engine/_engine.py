@@ -401,7 +401,10 @@ class BlockPoolBatchEngine:
             elif lone and uncached < self.long_prefill:
                 self.batch.insert(seq, None)
             elif uncached > 0 and max(uncached, cached) >= self.long_prefill:
-                self.planner.make_job(seq)
+                job = self.planner.make_job(seq)
+                if job.cache is None and cached:  # its agent's kept cache: no gather
+                    job.cache = self.batch.kept_caches.take(seq.agent_id, seq.tokens, cached)
+                    self.batch.hot_starts += job.cache is not None
             else:
                 self.batch.insert(seq, None)
 

@@ -10,9 +10,10 @@ from typing import Any
 import attrs
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import RotatingKVCache
 
 from ..caches._dequantized import DequantizedKVCache
+from ..caches._global import GlobalKVCache
 from ..caches._margin import MarginRotatingKVCache
 from ..caches._quantized import BlockQuantizedKVCache, sliced
 from ..kv._blocks import make_cache, to_cache
@@ -133,7 +134,7 @@ def snapshot(cache: list[Any]) -> list[Any]:
             copy = BlockQuantizedKVCache(group_size=c.group_size, bits=c.bits)
             copy.keys, copy.values = sliced(c.keys, 0, c.offset), sliced(c.values, 0, c.offset)
         else:
-            copy = c.empty_like() if isinstance(c, DequantizedKVCache) else KVCache()
+            copy = c.empty_like() if isinstance(c, DequantizedKVCache) else GlobalKVCache()
             copy.keys, copy.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
         copy.offset = c.offset
         out.append(copy)

@@ -23,11 +23,12 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import RotatingKVCache
 
 from ...errors import CacheReconstructionError
 from ..caches._dequantized import DequantizedKVCache, QuantizedMarginRotatingKVCache
 from ..caches._gather import gather
+from ..caches._global import GlobalKVCache
 from ..caches._margin import MarginRotatingKVCache
 from ..caches._quantized import BlockQuantizedKVCache, pack, unpack
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
@@ -188,12 +189,13 @@ def make_cache(spec: ModelCacheSpec) -> list[Any]:
 
 
 def global_cache(layer: LayerSpec) -> Any:
-    """An empty cache for a global layer: mlx-lm's ``KVCache``; with ``kv_bits``,
+    """An empty cache for a global layer: mlx-lm's ``KVCache`` (batched one layer at a
+    time: :class:`~._global.GlobalKVCache`); with ``kv_bits``,
     :class:`~._quantized.BlockQuantizedKVCache` (mlx-lm's quantized attention), or
     :class:`~._dequantized.DequantizedKVCache` where that cannot run."""
     q = layer.quantization
     if q is None:
-        return KVCache()
+        return GlobalKVCache()
     if q.dequantize:
         return DequantizedKVCache(q)
     return BlockQuantizedKVCache(group_size=q.group_size, bits=q.bits)

@@ -1,0 +1,133 @@
+"""The global layers' batch cache (``scheduler/caches/_global.py``) against mlx-lm's own
+``BatchKVCache``: the same arrays through merge, growth, extend, filter and extract, and
+the memory that saves while agents decode together."""
+
+from __future__ import annotations
+
+import gc
+import random
+from pathlib import Path
+
+import anyio
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mlx_actors import Runtime
+from mlx_actors.scheduler.caches._global import GlobalBatchKVCache, GlobalKVCache
+from mlx_actors.testing import tiny_config, write_random_model
+
+from ..conftest import INIT_SCALE
+
+HEADS, DIM = 2, 8
+
+
+def filled(cls: type, length: int, seed: int) -> KVCache:
+    cache = cls()
+    if length:
+        key = mx.random.key(seed)
+        k, v = mx.random.normal((2, 1, HEADS, length, DIM), key=key)
+        cache.update_and_fetch(k, v)
+    return cache
+
+
+def held(batch: BatchKVCache) -> tuple[mx.array, mx.array, list[int], list[int]]:
+    keys, values = batch.keys_and_values()
+    return keys, values, batch.left_padding.tolist(), batch.offset.tolist()
+
+
+def same(ours: BatchKVCache, theirs: BatchKVCache) -> None:
+    for a, b in zip(held(ours), held(theirs), strict=True):
+        if isinstance(a, mx.array):
+            assert a.shape == b.shape and mx.array_equal(a, b).item()
+        else:
+            assert a == b
+
+
+def test_the_batch_cache_holds_what_mlx_lms_holds() -> None:
+    """Merged from caches of unequal lengths (one empty), grown past a block, extended by
+    another batch, filtered, with rows extracted before and after: every array, padding
+    and offset equals mlx-lm's ``BatchKVCache`` put through the same."""
+    lengths, more = [300, 17, 0, 256], [40, 511]
+    ours = GlobalKVCache.merge([filled(GlobalKVCache, n, i) for i, n in enumerate(lengths)])
+    theirs = KVCache.merge([filled(KVCache, n, i) for i, n in enumerate(lengths)])
+    assert isinstance(ours, GlobalBatchKVCache)
+    same(ours, theirs)
+    rng = random.Random(0)
+    for step in range(260):  # one token at a time, past the room merge gave
+        k, v = mx.random.normal((2, len(lengths), HEADS, 1, DIM), key=mx.random.key(100 + step))
+        a, b = ours.update_and_fetch(k, v), theirs.update_and_fetch(k, v)
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True))
+    same(ours, theirs)
+    ours.extend(GlobalKVCache.merge([filled(GlobalKVCache, n, 9 + n) for n in more]))
+    theirs.extend(KVCache.merge([filled(KVCache, n, 9 + n) for n in more]))
+    same(ours, theirs)
+    gone = [1, 4]
+    out_ours = [ours.extract(i) for i in gone]
+    out_theirs = [theirs.extract(i) for i in gone]
+    keep = [i for i in range(len(lengths) + len(more)) if i not in gone]
+    ours.filter(keep)
+    theirs.filter(keep)
+    same(ours, theirs)
+    row = rng.randrange(len(keep))  # a view of a batch that goes on
+    out_ours.append(ours.extract(row))
+    out_theirs.append(theirs.extract(row))
+    for a, b in zip(out_ours, out_theirs, strict=True):
+        assert a.offset == b.offset
+        assert mx.array_equal(a.state[0], b.state[0]).item()
+        assert mx.array_equal(a.state[1], b.state[1]).item()
+
+
+def test_an_empty_merge_is_still_ours() -> None:
+    batch = GlobalKVCache.merge([GlobalKVCache(), GlobalKVCache()])
+    assert isinstance(batch, GlobalBatchKVCache)
+    k, v = mx.ones((2, 2, HEADS, 3, DIM))
+    keys, _ = batch.update_and_fetch(k, v)
+    assert keys.shape == (2, HEADS, 3, DIM)
+
+
+@pytest.fixture(scope="module")
+def eight_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_model(
+        tmp_path_factory.mktemp("models") / "eight-layers",
+        tiny_config(num_hidden_layers=8),
+        seed=3,
+        init_scale=INIT_SCALE,
+    )
+
+
+def test_agents_decoding_together_hold_less_than_three_copies(eight_layers: Path) -> None:
+    """Four agents with 1K-token histories decode a turn together. Beside the pool's
+    blocks, that turn's peak is one more copy of the histories (the batch's cache,
+    padded to the longest, with a block of room: the agents' kept caches become its
+    rows) and what a layer's copy and the prompts' prefill take: every copy of the
+    batch is made a layer at a time. Before, with mlx-lm's lazy copies and the kept
+    caches held beside the batch, it peaked at over three times the histories' bytes."""
+
+    async def run() -> tuple[int, int, int]:
+        gc.collect()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        async with Runtime(eight_layers, log_level="off", pool_bytes=64 << 20) as rt:
+            gc.collect()
+            weights = mx.get_active_memory() - base
+            agents = [await rt.spawn(f"a{i}", max_tokens=1) for i in range(4)]
+            for i, agent in enumerate(agents):  # one after another: each cache is kept
+                text = "".join(random.Random(i).choice("abcdefgh ") for _ in range(1000))
+                await agent.ask(text)
+            kv = (await rt.stats()).pool.used_bytes
+            gc.collect()
+            mx.clear_cache()
+            before = mx.get_active_memory() - base - weights
+            mx.reset_peak_memory()
+            async with anyio.create_task_group() as tg:
+                for agent in agents:
+                    tg.start_soon(agent.ask, "And then?")
+            return kv, before, mx.get_peak_memory() - base - weights
+
+    kv, before, peak = anyio.run(run)
+    # Before: the pool's blocks and the kept caches (a copy of each agent's, with room).
+    assert before >= 1.9 * kv
+    # At the peak: the blocks, the batch's cache (the kept caches became its rows), a
+    # layer's copy and the prefill's activations (2.6 times the blocks here).
+    assert peak <= 2.75 * kv, peak / kv
