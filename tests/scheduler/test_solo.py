@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_actors.scheduler import BlockPoolBatchEngine
+from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine
 
 from ..conftest import Loaded, ReferenceChat, reference, run_to_completion
 from .test_engine import prompt
@@ -200,3 +200,44 @@ def test_a_forgotten_agents_kept_cache_is_dropped(
     )
     engine.release(blocks)
     engine.release(result.blocks)
+
+
+def test_kept_caches_count_in_the_pools_budget_and_make_way_first(tiny: Loaded) -> None:
+    """A kept cache holds the pool units its bytes cost, given back when its agent's next
+    turn takes it; when a turn needs room, kept caches give theirs back before anything
+    else (here the engine has no other way to make room: the turn would be refused)."""
+
+    def engine_of(total: int) -> BlockPoolBatchEngine:
+        return BlockPoolBatchEngine(
+            tiny.model, tiny.tokenizer, BlockPool(tiny.spec, total_blocks=total), max_batch_size=8
+        )
+
+    probe = engine_of(400)
+    uid = probe.submit("a", prompt(600, 31), max_tokens=N)
+    blocks = run_to_completion(probe)[uid].blocks
+    used, copies = probe.pool.used_blocks, probe.pool.copy_blocks
+    assert copies > 0 and probe.pool.free_blocks == 400 - used - copies
+    uid = probe.submit("a", prompt(20, 32), blocks, max_tokens=N)  # takes it: given back
+    probe.release(blocks)
+    result = run_to_completion(probe)[uid]
+    assert probe.statistics().hot_starts == 1
+    probe.release(result.blocks)
+    probe.close()
+    # Room for two agents' blocks and half a kept cache: the second agent's turn fits
+    # only once the first one's kept cache has made way.
+    engine = engine_of(2 * used + copies // 2)
+    uid = engine.submit("a", prompt(600, 31), max_tokens=N)
+    a = run_to_completion(engine)[uid].blocks
+    assert engine.pool.copy_blocks == copies
+    nxt = prompt(600, 33)
+    uid = engine.submit("b", nxt, max_tokens=N)
+    b = run_to_completion(engine)[uid]
+    assert list(b.tokens) == reference(tiny.model, nxt, N, stop=tiny.tokenizer.eos_token_ids)
+    stats = engine.pool.statistics()
+    assert stats.peak_blocks <= stats.total_blocks
+    uid = engine.submit("a", prompt(20, 34), a, max_tokens=4)
+    engine.release(a)
+    engine.release(run_to_completion(engine)[uid].blocks)
+    assert engine.statistics().hot_starts == 0  # a's kept cache was gone
+    engine.release(b.blocks)
+    engine.close()

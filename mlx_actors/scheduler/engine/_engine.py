@@ -90,10 +90,10 @@ class BlockPoolBatchEngine:
         index: the prefix index of ``pool``'s blocks, told of each block the pool
             releases (by default one of the engine's own, subscribed to ``pool``).
         kept_caches: where caches of lone turns are kept for their agents' next ones
-            (by default an eighth of the pool's bytes).
-        make_room: called with an agent id when a reservation fails; returns whether it
-            freed blocks (by moving an idle agent's cache out of the pool), so that the
-            engine tries again.
+            (by default counted in the pool's budget, in the units it has free).
+        make_room: called with an agent id when a reservation fails and no kept cache
+            is left to give its units back; returns whether it freed blocks (by moving
+            an idle agent's cache out of the pool), so that the engine tries again.
     """
 
     def __init__(
@@ -148,13 +148,21 @@ class BlockPoolBatchEngine:
             index = PrefixIndex(self.spec)
             pool.on_release(index.detach)
         self.index = index
+        #: Caches of sequences that finished alone, for their agents' next turns.
+        self._kept_caches = kept_caches if kept_caches is not None else kept_for(pool)
+
+        def room(agent: str) -> bool:  # kept caches make way first, then idle agents
+            if self._kept_caches.make_way(agent):
+                return True
+            return make_room is not None and make_room(agent)
+
         self.planner = Planner(
             self.spec,
             pool,
             index,
             share_prefixes=share_prefixes,
             min_shared=min_shared,
-            make_room=make_room,
+            make_room=room,
         )
         self._generator_options = dict(
             completion_batch_size=max_batch_size,
@@ -173,8 +181,6 @@ class BlockPoolBatchEngine:
         self._sequences: dict[int, EngineSequence] = {}
         #: Agents whose prompts ran in the step under way.
         self._prefilled: list[str] = []
-        #: Caches of sequences that finished alone, for their agents' next turns.
-        self._kept_caches = kept_caches if kept_caches is not None else kept_for(pool)
         self.output = Output(self.spec, pool, index, self._kept_caches, eos)
         self.batch = Batch(
             model,

@@ -149,32 +149,43 @@ class Solo:
 
 class KeptCaches:
     """The caches of the last few sequences that finished alone, kept as they are (as
-    mlx-lm's chat keeps its one prompt cache), so that the same agent's next turn, if it
-    runs alone too, starts from them instead of gathering its blocks again.
+    mlx-lm's chat keeps its one prompt cache), so that the same agent's next turn
+    starts from them instead of gathering its blocks again.
 
     The blocks stay the record of every history: a kept cache is only a copy of what its
-    agent's blocks hold, used when it still matches. Like the cache of a sequence in
-    flight, it lives outside the pool; the caches kept are bounded by ``limit_bytes``,
+    agent's blocks hold, used when it still matches. It lives outside the blocks but
+    inside the pool's budget: each holds the pool units its bytes cost
+    (:meth:`BlockPool.hold_copy`), only while the pool has them free, and gives them
+    back when a turn needs room (:meth:`make_way`, before any agent is evicted) or
+    when it is taken. At most ``limit_bytes`` are kept (by default the pool's budget),
     least recently finished dropped first.
     """
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, pool: BlockPool, limit_bytes: int) -> None:
+        self.pool = pool
         self.limit_bytes = limit_bytes
-        self._caches: dict[str, tuple[tuple[int, ...], list[Any], int]] = {}
+        #: By agent: the tokens held, the cache, its bytes and the pool units held.
+        self._caches: dict[str, tuple[tuple[int, ...], list[Any], int, int]] = {}
 
     @property
     def nbytes(self) -> int:
-        return sum(size for _, _, size in self._caches.values())
+        return sum(entry[2] for entry in self._caches.values())
 
     def keep(self, agent: str, tokens: tuple[int, ...], cache: list[Any]) -> None:
-        """Keep ``cache`` (holding ``tokens``) as ``agent``'s, in place of any older."""
-        self._caches.pop(agent, None)
+        """Keep ``cache`` (holding ``tokens``) as ``agent``'s, in place of any older, if
+        the budget has room for it (older caches make way)."""
+        self.drop(agent)
         size = sum(int(c.nbytes) for c in cache)
         if size > self.limit_bytes:
             return
         while self._caches and self.nbytes + size > self.limit_bytes:
-            del self._caches[next(iter(self._caches))]
-        self._caches[agent] = (tokens, cache, size)
+            self.drop(next(iter(self._caches)))
+        units = self.pool.hold_copy(size)
+        while units is None and self._caches:
+            self.drop(next(iter(self._caches)))
+            units = self.pool.hold_copy(size)
+        if units is not None:
+            self._caches[agent] = (tokens, cache, size, units)
 
     def take(self, agent: str, tokens: Sequence[int], start: int) -> list[Any] | None:
         """``agent``'s cache, cut back to its first ``start`` tokens, if it holds the
@@ -182,7 +193,8 @@ class KeptCaches:
         entry = self._caches.pop(agent, None)
         if entry is None:
             return None
-        held, cache, _ = entry
+        held, cache, _, units = entry
+        self.pool.release_copy(units)
         if not 0 < start <= len(held) or tuple(tokens[:start]) != held[:start]:
             return None
         extra = len(held) - start
@@ -195,12 +207,22 @@ class KeptCaches:
 
     def drop(self, agent: str | None = None) -> None:
         """Forget ``agent``'s cache (every cache: ``None``)."""
-        if agent is None:
-            self._caches.clear()
-        else:
-            self._caches.pop(agent, None)
+        for name in list(self._caches) if agent is None else [agent]:
+            entry = self._caches.pop(name, None)
+            if entry is not None:
+                self.pool.release_copy(entry[3])
+
+    def make_way(self, agent: str) -> bool:
+        """Give back one cache's units, for a turn of ``agent`` that needs room: the least
+        recently kept of the others', else ``agent``'s own (its turn then starts from
+        its blocks: a copy is not worth evicting anyone for). Whether one went."""
+        name = next((name for name in self._caches if name != agent), None)
+        if name is None and agent not in self._caches:
+            return False
+        self.drop(agent if name is None else name)
+        return True
 
 
 def kept_for(pool: BlockPool) -> KeptCaches:
-    """Kept caches beside ``pool``: at most an eighth of its bytes, outside it."""
-    return KeptCaches(pool.budget_bytes // 8)
+    """Kept caches counted in ``pool``'s budget, in whatever units it has free."""
+    return KeptCaches(pool, pool.budget_bytes)

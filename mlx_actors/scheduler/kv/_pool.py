@@ -103,14 +103,17 @@ class PoolStatistics:
     used_blocks: int
     #: Units promised to turns in flight, not yet filled.
     reserved_blocks: int
-    #: Units neither used nor reserved.
+    #: Units neither used nor reserved (nor held by copies).
     free_blocks: int
-    #: The most units ever used plus reserved at once.
+    #: The most units ever used, reserved and held by copies at once.
     peak_blocks: int
     #: Units of the blocks referenced more than once.
     shared_blocks: int
     #: Bytes one unit costs (one block's, when a unit is a block).
     block_bytes: int
+    #: Units held by copies of agents' caches outside the blocks (the caches kept for
+    #: agents' next turns), given back first when a turn needs room.
+    copy_blocks: int = 0
 
     @property
     def used_bytes(self) -> int:
@@ -148,6 +151,7 @@ class BlockPool:
         self._live: dict[int, KVBlock] = {}
         self._used = 0
         self._reserved = 0
+        self._copies = 0
         self._peak = 0
         self._ids = itertools.count()
         self._on_release = [on_release] if on_release is not None else []
@@ -176,7 +180,30 @@ class BlockPool:
 
     @property
     def free_blocks(self) -> int:
-        return self.total_blocks - self._used - self._reserved
+        return self.total_blocks - self._used - self._reserved - self._copies
+
+    @property
+    def copy_blocks(self) -> int:
+        """Units held by copies of caches outside the blocks (:meth:`hold_copy`)."""
+        return self._copies
+
+    def units_for(self, nbytes: int) -> int:
+        """Units that ``nbytes`` of device memory cost (rounded up)."""
+        return -(-int(nbytes) // self.spec.unit_bytes)
+
+    def hold_copy(self, nbytes: int) -> int | None:
+        """Count a copy of ``nbytes`` (a cache kept outside the blocks) against the
+        budget, if the free units allow; returns the units held (``None``: no room)."""
+        units = self.units_for(nbytes)
+        if units > self.free_blocks:
+            return None
+        self._copies += units
+        self._note_peak()
+        return units
+
+    def release_copy(self, units: int) -> None:
+        """Give back what :meth:`hold_copy` held."""
+        self._copies -= units
 
     @property
     def budget_bytes(self) -> int:
@@ -192,6 +219,7 @@ class BlockPool:
             peak_blocks=self._peak,
             shared_blocks=sum(units(self._live[i].layer) for i, n in self._refs.items() if n > 1),
             block_bytes=self.spec.unit_bytes,
+            copy_blocks=self._copies,
         )
 
     def on_release(self, callback: Callable[[KVBlock], None]) -> None:
@@ -263,7 +291,7 @@ class BlockPool:
             raise InvalidRequestError(f"{block!r} is not a live block of this pool")
 
     def _note_peak(self) -> None:
-        self._peak = max(self._peak, self._used + self._reserved)
+        self._peak = max(self._peak, self._used + self._reserved + self._copies)
 
     def _take_reserved(self, layer: int, start: int, keys: mx.array, values: mx.array) -> KVBlock:
         block = KVBlock(next(self._ids), layer, start, keys, values)

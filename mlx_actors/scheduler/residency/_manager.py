@@ -6,8 +6,9 @@ it), or out of the pool (evicted: taken as a :class:`CacheImage`, kept in host m
 by :class:`HostCaches` while the budget allows, and written to the store by the event
 loop). :class:`CacheManager` keeps one record per agent and is the only code that
 changes it: a turn's commit, hold and undo, a dropped result, a fork, a save's snapshot,
-choosing what to evict when the pool runs short, and making blocks again from an image
-(from host memory here, or read back from the store and handed in).
+choosing what to evict when the pool runs short (kept copies make way first), and
+making blocks again from an image (from host memory here, or read back from the store
+and handed in).
 """
 
 from __future__ import annotations
@@ -212,17 +213,18 @@ class CacheManager:
     # -- room in the pool ----------------------------------------------------------------------
 
     def make_room(self, agent: str) -> bool:
-        """Move one idle cache (not ``agent``'s) out of the pool; whether one moved."""
-        return self._evict_one(exclude=agent)
+        """Give back a kept cache's units, or else move one idle cache (not ``agent``'s)
+        out of the pool; whether either happened."""
+        return self._kept.make_way(agent) or self._evict_one(exclude=agent)
 
     def with_room(self, agent: str, attempt: Callable[[], Any]) -> Any:
-        """Run ``attempt``; while the pool is short, move the least recently used idle
-        agent's cache out of it and try again."""
+        """Run ``attempt``; while the pool is short, give back a kept cache's units, or
+        else move the least recently used idle agent's cache out of it, and try again."""
         while True:
             try:
                 return attempt()
             except PoolExhaustedError as exc:
-                if not self._evict_one(exclude=agent):
+                if not self.make_room(agent):
                     raise nothing_to_evict(exc) from None
 
     def _evict_one(self, exclude: str) -> bool:
