@@ -107,8 +107,7 @@ class Batch:
         if cache is None:
             start = seq.source.length
             if start:  # alone it runs on it; joining, the batch copies it (no gather)
-                cache = self.kept_caches.take(seq.agent_id, seq.tokens, start)
-                self.hot_starts += cache is not None
+                cache = self.kept(seq, start)
         if cache is None and seq.seed is not None and seq.seed[0].offset == start:
             cache = snapshot(seq.seed)
         elif cache is None and start:
@@ -137,6 +136,13 @@ class Batch:
         if self.solo is not None:
             self._hand_over()
         self._join(seq, prompt, cache, seq.budget)
+
+    def kept(self, seq: EngineSequence, start: int) -> list[Any] | None:
+        """``seq``'s agent's kept cache, cut back to ``start`` tokens, if it serves
+        (counted as a hot start)."""
+        cache = self.kept_caches.take(seq.agent_id, seq.tokens, start)
+        self.hot_starts += cache is not None
+        return cache
 
     def _join(
         self,

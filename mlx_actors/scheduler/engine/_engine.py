@@ -409,8 +409,7 @@ class BlockPoolBatchEngine:
             elif uncached > 0 and max(uncached, cached) >= self.long_prefill:
                 job = self.planner.make_job(seq)
                 if job.cache is None and cached:  # its agent's kept cache: no gather
-                    job.cache = self.batch.kept_caches.take(seq.agent_id, seq.tokens, cached)
-                    self.batch.hot_starts += job.cache is not None
+                    job.cache = self.batch.kept(seq, cached)
             else:
                 self.batch.insert(seq, None)
 

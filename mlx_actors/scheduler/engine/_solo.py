@@ -157,35 +157,25 @@ class KeptCaches:
     inside the pool's budget: each holds the pool units its bytes cost
     (:meth:`BlockPool.hold_copy`), only while the pool has them free, and gives them
     back when a turn needs room (:meth:`make_way`, before any agent is evicted) or
-    when it is taken. At most ``limit_bytes`` are kept (by default the pool's budget),
-    least recently finished dropped first.
+    when it is taken; the least recently finished makes way first.
     """
 
-    def __init__(self, pool: BlockPool, limit_bytes: int) -> None:
+    def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
-        self.limit_bytes = limit_bytes
-        #: By agent: the tokens held, the cache, its bytes and the pool units held.
-        self._caches: dict[str, tuple[tuple[int, ...], list[Any], int, int]] = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(entry[2] for entry in self._caches.values())
+        #: By agent: the tokens held, the cache and the pool units it holds.
+        self._caches: dict[str, tuple[tuple[int, ...], list[Any], int]] = {}
 
     def keep(self, agent: str, tokens: tuple[int, ...], cache: list[Any]) -> None:
         """Keep ``cache`` (holding ``tokens``) as ``agent``'s, in place of any older, if
         the budget has room for it (older caches make way)."""
         self.drop(agent)
         size = sum(int(c.nbytes) for c in cache)
-        if size > self.limit_bytes:
-            return
-        while self._caches and self.nbytes + size > self.limit_bytes:
-            self.drop(next(iter(self._caches)))
         units = self.pool.hold_copy(size)
         while units is None and self._caches:
             self.drop(next(iter(self._caches)))
             units = self.pool.hold_copy(size)
         if units is not None:
-            self._caches[agent] = (tokens, cache, size, units)
+            self._caches[agent] = (tokens, cache, units)
 
     def take(self, agent: str, tokens: Sequence[int], start: int) -> list[Any] | None:
         """``agent``'s cache, cut back to its first ``start`` tokens, if it holds the
@@ -193,7 +183,7 @@ class KeptCaches:
         entry = self._caches.pop(agent, None)
         if entry is None:
             return None
-        held, cache, _, units = entry
+        held, cache, units = entry
         self.pool.release_copy(units)
         if not 0 < start <= len(held) or tuple(tokens[:start]) != held[:start]:
             return None
@@ -210,7 +200,7 @@ class KeptCaches:
         for name in list(self._caches) if agent is None else [agent]:
             entry = self._caches.pop(name, None)
             if entry is not None:
-                self.pool.release_copy(entry[3])
+                self.pool.release_copy(entry[2])
 
     def make_way(self, agent: str) -> bool:
         """Give back one cache's units, for a turn of ``agent`` that needs room: the least
@@ -225,4 +215,4 @@ class KeptCaches:
 
 def kept_for(pool: BlockPool) -> KeptCaches:
     """Kept caches counted in ``pool``'s budget, in whatever units it has free."""
-    return KeptCaches(pool, pool.budget_bytes)
+    return KeptCaches(pool)
