@@ -1,6 +1,8 @@
 """Peak memory while N agents decode a turn together, as a multiple of the KV bytes of
-their histories: mlx-actors against raw mlx-lm (a prompt cache per sequence plus
-``BatchGenerator``) in the same run, with the decode throughput of each. Prints JSON.
+their histories: mlx-actors (its batch holding a copy of each history, and with
+``paged_batch``, reading them from the pool's blocks) against raw mlx-lm (a prompt cache
+per sequence plus ``BatchGenerator``) in the same run, with the decode throughput of
+each. Prints JSON.
 
     python benchmarks/memory.py --shape llama-3.2-1b --dtype bf16 --workloads 8x2048 32x2048 8x8192
     python benchmarks/memory.py --kv-bits 8
@@ -65,10 +67,12 @@ def kv_bytes(caches: list[list[Any]]) -> int:
 
 
 async def through_actors(
-    path: Path, n: int, history: int, args: argparse.Namespace
+    path: Path, n: int, history: int, args: argparse.Namespace, paged: bool
 ) -> dict[str, Any]:
     base = settle()
-    options: dict[str, Any] = dict(log_level="off", kv_bits=args.kv_bits, kv_group_size=GROUP_SIZE)
+    options: dict[str, Any] = dict(
+        log_level="off", kv_bits=args.kv_bits, kv_group_size=GROUP_SIZE, paged_batch=paged
+    )
     if args.pool_gb:
         options["pool_bytes"] = int(args.pool_gb * 2**30)
     async with Runtime(path, **options) as rt:
@@ -188,23 +192,28 @@ def main() -> None:
     results = []
     for workload in args.workloads:
         n, history = (int(x) for x in workload.split("x"))
-        began = time.perf_counter()
-        ours = anyio.run(through_actors, path, n, history, args)
-        print(f"mlx-actors: {time.perf_counter() - began:.1f} s", file=sys.stderr)
-        raw = through_mlx_lm(path, ours["history_tokens"], args)
+        ours = {}
+        for name, paged in (("mlx_actors", False), ("mlx_actors_paged", True)):
+            began = time.perf_counter()
+            ours[name] = anyio.run(through_actors, path, n, history, args, paged)
+            print(f"{name}: {time.perf_counter() - began:.1f} s", file=sys.stderr)
+        raw = through_mlx_lm(path, ours["mlx_actors"]["history_tokens"], args)
         kv = raw["kv_bytes"]
         row = {
             "workload": workload,
             "kv_bytes": kv,
             "ratio": {
-                "mlx_actors": ours["peak"] / kv,
+                **{name: run["peak"] / kv for name, run in ours.items()},
                 "mlx_lm": None if raw["error"] else raw["peak"] / kv,
             },
             "tokens_per_s": {
-                "mlx_actors": ours["generated"] / ours["seconds"],
+                **{name: run["generated"] / run["seconds"] for name, run in ours.items()},
                 "mlx_lm": None if raw["error"] else raw["generated"] / raw["seconds"],
             },
-            "mlx_actors": {k: v for k, v in ours.items() if k != "history_tokens"},
+            **{
+                name: {k: v for k, v in run.items() if k != "history_tokens"}
+                for name, run in ours.items()
+            },
             "mlx_lm": raw,
         }
         results.append(row)

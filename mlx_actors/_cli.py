@@ -125,6 +125,11 @@ def _serve_parser(commands: Any) -> None:
     runtime.add_argument("--kv-group-size", type=int, default=64)
     runtime.add_argument("--dequantize", action="store_true", help="float32 default model")
     runtime.add_argument(
+        "--paged-batch",
+        action="store_true",
+        help="decode from the pool's blocks: less memory, slower steps on long histories",
+    )
+    runtime.add_argument(
         "--no-share-prefixes",
         action="store_true",
         help="share nothing across sessions, not even identical prefixes",
@@ -166,6 +171,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "kv_bits": args.kv_bits,
         "kv_group_size": args.kv_group_size,
         "dequantize": args.dequantize,
+        "paged_batch": args.paged_batch,
         "share_prefixes": not args.no_share_prefixes,
         "state_dir": args.state_dir,
         "persist": args.persist,

@@ -90,6 +90,11 @@ class Runtime:
             layers (Gemma 3), which mlx-lm cannot quantize, attend over their window
             dequantized.
         kv_group_size: values per scale and bias along a head (32, 64 or 128).
+        paged_batch: turns decoding together read their histories from the pool's
+            blocks, a layer at a time as attention needs them, instead of holding a
+            copy of each in the batch's cache: about one copy of the histories less at
+            the peak, for a slower decoding step (each step puts every layer's keys and
+            values together again). See the memory guide.
 
     When a turn needs more blocks than are free, the least recently used idle agents'
     caches are written to disk and freed; an agent whose cache is on disk gets it back
@@ -117,6 +122,7 @@ class Runtime:
         persist: str = "turn",
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        paged_batch: bool = False,
     ) -> None:
         for name, value in (
             ("max_batch_size", max_batch_size),
@@ -163,6 +169,7 @@ class Runtime:
             admission_window=admission_window,
             share_prefixes=bool(share_prefixes),
             kv_quantization=self._kv,
+            paged_batch=bool(paged_batch),
         )
         self._registry = Registry(check_running=self._check_running, log=self.log)
         self._tg: TaskGroup | None = None

@@ -1,6 +1,6 @@
-"""The global layers' batch cache (``scheduler/caches/_global.py``) against mlx-lm's own
-``BatchKVCache``: the same arrays through merge, growth, extend, filter and extract, and
-the memory that saves while agents decode together."""
+"""The global layers' batch cache of recent tokens (``scheduler/caches/_global.py``)
+against mlx-lm's own ``BatchKVCache``: the same arrays through merge, growth, extend,
+filter and extract; and the memory agents decoding together take."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_actors import Runtime
-from mlx_actors.scheduler.caches._global import GlobalBatchKVCache, GlobalKVCache
+from mlx_actors.scheduler.caches._global import GlobalBatchKVCache
+from mlx_actors.scheduler.caches._paged import GlobalKVCache
 from mlx_actors.testing import tiny_config, write_random_model
 
 from ..conftest import INIT_SCALE
@@ -49,9 +50,8 @@ def test_the_batch_cache_holds_what_mlx_lms_holds() -> None:
     another batch, filtered, with rows extracted before and after: every array, padding
     and offset equals mlx-lm's ``BatchKVCache`` put through the same."""
     lengths, more = [300, 17, 0, 256], [40, 511]
-    ours = GlobalKVCache.merge([filled(GlobalKVCache, n, i) for i, n in enumerate(lengths)])
+    ours = GlobalBatchKVCache.merge([filled(GlobalKVCache, n, i) for i, n in enumerate(lengths)])
     theirs = KVCache.merge([filled(KVCache, n, i) for i, n in enumerate(lengths)])
-    assert isinstance(ours, GlobalBatchKVCache)
     same(ours, theirs)
     rng = random.Random(0)
     for step in range(260):  # one token at a time, past the room merge gave
@@ -59,7 +59,7 @@ def test_the_batch_cache_holds_what_mlx_lms_holds() -> None:
         a, b = ours.update_and_fetch(k, v), theirs.update_and_fetch(k, v)
         assert all(mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True))
     same(ours, theirs)
-    ours.extend(GlobalKVCache.merge([filled(GlobalKVCache, n, 9 + n) for n in more]))
+    ours.extend(GlobalBatchKVCache.merge([filled(GlobalKVCache, n, 9 + n) for n in more]))
     theirs.extend(KVCache.merge([filled(KVCache, n, 9 + n) for n in more]))
     same(ours, theirs)
     gone = [1, 4]
@@ -79,7 +79,7 @@ def test_the_batch_cache_holds_what_mlx_lms_holds() -> None:
 
 
 def test_an_empty_merge_is_still_ours() -> None:
-    batch = GlobalKVCache.merge([GlobalKVCache(), GlobalKVCache()])
+    batch = GlobalBatchKVCache.merge([GlobalKVCache(), GlobalKVCache()])
     assert isinstance(batch, GlobalBatchKVCache)
     k, v = mx.ones((2, 2, HEADS, 3, DIM))
     keys, _ = batch.update_and_fetch(k, v)
@@ -96,19 +96,22 @@ def eight_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def test_agents_decoding_together_hold_less_than_three_copies(eight_layers: Path) -> None:
-    """Four agents with 1K-token histories decode a turn together. Beside the pool's
-    blocks, that turn's peak is one more copy of the histories (the batch's cache,
-    padded to the longest, with a block of room: the agents' kept caches become its
-    rows) and what a layer's copy and the prompts' prefill take: every copy of the
-    batch is made a layer at a time. Before (mlx-lm's lazy copies, and the kept caches
-    held beside the batch's and outside the pool), it peaked at 4.2 times their bytes."""
+def test_agents_decoding_together_hold_their_histories_about_once(eight_layers: Path) -> None:
+    """Four agents with 1K-token histories decode a turn together. With ``paged_batch``,
+    that turn's peak beside the pool's blocks is the batch's recent tokens (a block of
+    room per row), a layer's keys and values put together for attention, and the
+    prompts' prefill: the histories are read from the blocks, and the agents' kept
+    caches are dropped as they join (1.7 times the histories' bytes here). Without it
+    the batch's cache holds a copy of every history, made a layer at a time (2.6 times;
+    with mlx-lm's lazy copies it was 4.2). The replies are the same."""
 
-    async def run() -> tuple[int, int, int]:
+    async def run(paged: bool) -> tuple[int, int, int, list[tuple[int, ...]]]:
         gc.collect()
         mx.clear_cache()
         base = mx.get_active_memory()
-        async with Runtime(eight_layers, log_level="off", pool_bytes=64 << 20) as rt:
+        async with Runtime(
+            eight_layers, log_level="off", pool_bytes=64 << 20, paged_batch=paged
+        ) as rt:
             gc.collect()
             weights = mx.get_active_memory() - base
             agents = [await rt.spawn(f"a{i}", max_tokens=1) for i in range(4)]
@@ -120,14 +123,20 @@ def test_agents_decoding_together_hold_less_than_three_copies(eight_layers: Path
             mx.clear_cache()
             before = mx.get_active_memory() - base - weights
             mx.reset_peak_memory()
-            async with anyio.create_task_group() as tg:
-                for agent in agents:
-                    tg.start_soon(agent.ask, "And then?")
-            return kv, before, mx.get_peak_memory() - base - weights
+            replies: list[tuple[int, ...]] = [() for _ in agents]
 
-    kv, before, peak = anyio.run(run)
+            async def ask(i: int) -> None:
+                replies[i] = (await agents[i].ask("And then?", max_tokens=8)).tokens
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(agents)):
+                    tg.start_soon(ask, i)
+            return kv, before, mx.get_peak_memory() - base - weights, replies
+
+    kv, before, copied, replies = anyio.run(run, False)
     # Before: the pool's blocks and the kept caches (a copy of each agent's, with room).
     assert before >= 1.9 * kv
-    # At the peak: the blocks, the batch's cache (the kept caches became its rows), a
-    # layer's copy and the prefill's activations (2.6 times the blocks here).
-    assert peak <= 2.75 * kv, peak / kv
+    assert copied <= 2.75 * kv, copied / kv
+    kv, _, paged, paged_replies = anyio.run(run, True)
+    assert paged <= 1.85 * kv, paged / kv
+    assert paged_replies == replies

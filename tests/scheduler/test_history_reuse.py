@@ -345,16 +345,19 @@ def stops_seen(model: Loaded, system: str, text: str, words: int) -> tuple[str, 
 @pytest.mark.anyio
 # turns shorter than the window, then longer; each on one of the event loops
 @pytest.mark.parametrize(("window", "anyio_backend"), [(160, "asyncio"), (16, "trio")])
-@pytest.mark.parametrize("case", ["stop", "trim", "concurrent"])
+# "paged": concurrent turns whose batch reads the histories from the blocks
+@pytest.mark.parametrize("case", ["stop", "trim", "concurrent", "paged"])
 async def test_dialogues_reuse_every_matching_token_and_equal_mlx_lm(
     case: str, window: int, anyio_backend: str, tmp_path: Path
 ) -> None:
     template = TRIM_TEMPLATE if case == "trim" else None
     model = gemma(tmp_path / case, window=window, template=template)
+    paged = case == "paged"
+    case = "concurrent" if paged else case
     rounds, words = 10, 24
     first = "Round 0: where now?" if case == "concurrent" else "0. Where shall we go?"
     stop = stops_seen(model, "You are agent 0.", first, words) if case != "trim" else None
-    async with Runtime(model.path, pool_blocks=400, log_level="off") as rt:
+    async with Runtime(model.path, pool_blocks=400, log_level="off", paged_batch=paged) as rt:
         agents = [
             await rt.spawn(f"a{i}", system=f"You are agent {i}.", max_tokens=words, stop=stop)
             for i in range(2)

@@ -4,10 +4,11 @@ for keys and values together; elsewhere MLX's ``concatenate``.
 A cache rebuilt from blocks is a copy of each block's tokens into one array per layer.
 MLX's ``concatenate`` runs one copy kernel per input, so an 8K-token history of a
 48-layer model is about a thousand launches of a megabyte each: on a GPU the launches,
-not the bytes, set the time. The kernel here copies all of a layer's pieces, and zeroes
-the room left after them, in one launch, from a small table of where each piece goes.
-It is compiled once per shape (pieces rounded up to a power of two, head sizes, dtype);
-MLX keeps the compiled code on disk.
+not the bytes, set the time. The kernel here (:func:`copy`) copies all of a layer's
+pieces, and zeroes the room left after them, in one launch, from a small table of where
+each piece goes; a paged batch's rows are put together by the same kernel
+(:mod:`._rows`). It is compiled once per shape (pieces rounded up to a power of two,
+head sizes, dtype); MLX keeps the compiled code on disk.
 """
 
 from __future__ import annotations
@@ -88,64 +89,82 @@ def _gather_kernel(
 def _launch(
     parts_k: Sequence[Part], parts_v: Sequence[Part], room: int
 ) -> tuple[mx.array, mx.array]:
-    """One launch: the blocks of ``len(parts)`` pieces (the kernel takes a power of two
-    of them; the extra ones copy nothing) and a table of where each piece goes."""
-    n = len(parts_k)
-    slots = 1 << (n - 1).bit_length()
-    keys = [part[0] for part in parts_k]
-    values = [part[0] for part in parts_v]
-    # Per piece: the block's length, the first position wanted in it, how many, and
-    # where they go; last, the room: the output's length, zeros, where they go.
-    rows: list[int] = []
+    """One launch: a table entry per piece, and one for the room (zeros)."""
+    table: list[int] = []
     filled = longest = 0
-    for arr, start, a, z in parts_k:
-        rows += (arr.shape[2], a - start, z - a, filled)
+    for slot, (arr, start, a, z) in enumerate(parts_k):
+        table += (slot, 0, arr.shape[2], a - start, z - a, 0, filled)
         filled += z - a
         longest = max(longest, z - a)
-    if slots > n:
-        keys += [keys[0]] * (slots - n)
-        values += [values[0]] * (slots - n)
-        rows += [0] * (4 * (slots - n))
-    rows += (filled + room, 0, room, filled)
+    if room:
+        table += (-1, 0, 0, 0, room, 0, filled)
+    keys = [part[0] for part in parts_k]
+    values = [part[0] for part in parts_v]
+    return copy(keys, values, table, rows=1, length=filled + room, longest=max(longest, room))
+
+
+def copy(
+    keys: Sequence[mx.array],
+    values: Sequence[mx.array],
+    table: Sequence[int],
+    *,
+    rows: int,
+    length: int,
+    longest: int,
+) -> tuple[mx.array, mx.array]:
+    """One launch of the copy kernel: keys and values ``[rows, heads, length, dim]``
+    written as ``table`` says, seven ints per entry: the source (an index into
+    ``keys``/``values``, row-contiguous ``[n, heads, len, dim]`` arrays; -1 writes
+    zeros), its row and length, the first position taken, how many, and the output row
+    and position they go to. ``longest``: the most positions an entry copies. The
+    kernel takes a power of two of arrays (at most :data:`MAX_PARTS`; the rest unused)."""
+    slots = 1 << (len(keys) - 1).bit_length()
+    keys, values = list(keys), list(values)
+    keys += [keys[0]] * (slots - len(keys))
+    values += [values[0]] * (slots - len(values))
     heads, dk, dv = keys[0].shape[1], keys[0].shape[3], values[0].shape[3]
     dtype = keys[0].dtype
-    chunks = max(longest, room) * max(dk, dv) * dtype.size // _BYTES
+    chunks = longest * max(dk, dv) * dtype.size // _BYTES
     threads = 256 * max(1, min(64, -(-chunks // 256)))
     k, v = _get_kernel(slots)(
-        inputs=[*keys, *values, mx.array(rows, dtype=mx.int32)],
+        inputs=[*keys, *values, mx.array([*table, length], dtype=mx.int32)],
         template=[("T", dtype), ("DK", dk), ("DV", dv)],
-        grid=(threads, slots + 1, heads),
+        grid=(threads, len(table) // 7, heads),
         threadgroup=(256, 1, 1),
-        output_shapes=[(1, heads, filled + room, dk), (1, heads, filled + room, dv)],
+        output_shapes=[(rows, heads, length, dk), (rows, heads, length, dv)],
         output_dtypes=[dtype, dtype],
     )
     return k, v
 
 
-# Part ``blockIdx.y`` of head ``blockIdx.z``, placed by its row of the table; the last
-# part is the room (zeros). A block is ``[1, heads, len, dim]``, row-contiguous, so each
-# head's tokens of a piece are one run of memory, copied 16 bytes per thread.
+# Entry ``blockIdx.y`` of head ``blockIdx.z``: ``count`` tokens from position ``lo`` of
+# row ``srow`` of its slot's array (zeros for slot -1), to position ``dst`` of output row
+# ``orow``. Arrays are row-contiguous, so each head's tokens are one run of memory,
+# copied 16 bytes per thread.
 _SOURCE = """
-    const int part = blockIdx.y;
+    const int entry = blockIdx.y;
     const long h = blockIdx.z;
-    const long total = table[4 * SLOTS];
-    const int* row = table + 4 * part;
-    const long len = row[0], lo = row[1], count = row[2], dst = row[3];
+    const long heads = gridDim.z;
+    const int* e = table + 7 * entry;
+    const int slot = e[0];
+    const long srow = e[1], len = e[2], lo = e[3], count = e[4], orow = e[5], dst = e[6];
+    const long total = table[7 * gridDim.y];
     const T* ks = nullptr;
     const T* vs = nullptr;
-    switch (part) {
+    switch (slot) {
 {cases}
-        default: break;  // the room
+        default: break;  // zeros
     }
     constexpr int VK = DK * sizeof(T) / 16;
     constexpr int VV = DV * sizeof(T) / 16;
     const long step = (long)gridDim.x * blockDim.x;
     const long first = (long)blockIdx.x * blockDim.x + threadIdx.x;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    uint4* ko_ = reinterpret_cast<uint4*>(ko) + (h * total + dst) * VK;
-    uint4* vo_ = reinterpret_cast<uint4*>(vo) + (h * total + dst) * VV;
-    const uint4* ki = ks ? reinterpret_cast<const uint4*>(ks) + (h * len + lo) * VK : nullptr;
-    const uint4* vi = vs ? reinterpret_cast<const uint4*>(vs) + (h * len + lo) * VV : nullptr;
+    uint4* ko_ = reinterpret_cast<uint4*>(ko) + ((orow * heads + h) * total + dst) * VK;
+    uint4* vo_ = reinterpret_cast<uint4*>(vo) + ((orow * heads + h) * total + dst) * VV;
+    const long at = (srow * heads + h) * len + lo;
+    const uint4* ki = ks ? reinterpret_cast<const uint4*>(ks) + at * VK : nullptr;
+    const uint4* vi = vs ? reinterpret_cast<const uint4*>(vs) + at * VV : nullptr;
     for (long i = first; i < count * VK; i += step) {
         ko_[i] = ki ? ki[i] : zero;
     }
@@ -159,15 +178,14 @@ def _get_kernel(slots: int) -> Any:
     kernel = _kernels.get(slots)
     if kernel is None:
         cases = "\n".join(f"        case {i}: ks = k{i}; vs = v{i}; break;" for i in range(slots))
-        source = _SOURCE.replace("{cases}", cases).replace("SLOTS", str(slots))
         kernel = _kernels[slots] = mx.fast.cuda_kernel(
-            name=f"mlx_actors_gather_{slots}",
+            name=f"mlx_actors_copy_{slots}",
             input_names=[
                 *(f"k{i}" for i in range(slots)),
                 *(f"v{i}" for i in range(slots)),
                 "table",
             ],
             output_names=["ko", "vo"],
-            source=source,
+            source=_SOURCE.replace("{cases}", cases),
         )
     return kernel

@@ -1,5 +1,6 @@
-"""The cache of a global (full-attention) layer and its batched form: mlx-lm's ``KVCache``
-and ``BatchKVCache``, whose copies are made one layer at a time.
+"""A batch cache of global (full-attention) layers: mlx-lm's ``BatchKVCache``, whose
+copies are made one layer at a time. The batch holds its rows' tokens in it (all of
+them, or with ``paged_batch`` those after the histories: :mod:`._paged`).
 
 The batch cache changes shape by copying. It grows by a block of every row when its room
 runs out (a new array, the old one still alive), and a sequence joining or leaving the
@@ -24,14 +25,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 
-class GlobalKVCache(KVCache):  # type: ignore[misc]
-    """mlx-lm's ``KVCache``, batched as :class:`GlobalBatchKVCache`."""
-
-    @classmethod
-    def merge(cls, caches: Sequence[Any]) -> GlobalBatchKVCache:
-        return GlobalBatchKVCache.merge(caches)
-
-
 class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
     """mlx-lm's ``BatchKVCache``, each copy of its arrays evaluated when it is made."""
 
@@ -41,7 +34,7 @@ class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
     def __init__(self, left_padding: list[int]) -> None:
         super().__init__(left_padding)
         #: Finished rows handed out as views since the last :meth:`filter`.
-        self._extracted: list[GlobalKVCache] = []
+        self._extracted: list[KVCache] = []
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GlobalBatchKVCache:
         """A copy that shares the arrays' data (mlx-lm deep-copies a batch to split it,
@@ -85,11 +78,11 @@ class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
         super().extend(other)
         self._settle()
 
-    def extract(self, idx: int) -> GlobalKVCache:
+    def extract(self, idx: int) -> KVCache:
         """Row ``idx``'s cache, as a view of the batch's arrays (see the module)."""
         assert self.keys is not None and self.values is not None
         padding = int(self.left_padding[idx].item())
-        cache = GlobalKVCache()
+        cache = KVCache()
         cache.keys = self.keys[idx : idx + 1, :, padding : self._idx]
         cache.values = self.values[idx : idx + 1, :, padding : self._idx]
         cache.offset = self._idx - padding

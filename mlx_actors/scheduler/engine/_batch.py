@@ -12,7 +12,7 @@ import attrs
 from mlx.nn.layers.base import Module
 from mlx_lm.generate import BatchGenerator
 
-from ..kv._blocks import make_cache, to_cache
+from ..kv._blocks import make_cache, over_blocks, to_cache
 from ..kv._spec import BLOCK_SIZE, ModelCacheSpec
 from ._output import Output
 from ._pacing import Pacing
@@ -53,6 +53,7 @@ class Batch:
         kept_caches: caches of lone sequences kept for their agents' next turns.
         pacing: the prefill rate, recorded as prompts run.
         eos: the tokens that end a sequence.
+        paged: sequences in the batch read their histories from the blocks.
         prefill_step_size: most prompt tokens per sequence in one generator step.
         generator_options: the ``BatchGenerator``'s keyword arguments.
     """
@@ -66,6 +67,7 @@ class Batch:
         pacing: Pacing,
         eos: frozenset[int],
         *,
+        paged: bool = False,
         prefill_step_size: int,
         generator_options: dict[str, Any],
     ) -> None:
@@ -75,6 +77,7 @@ class Batch:
         self.kept_caches = kept_caches
         self.pacing = pacing
         self._eos = eos
+        self._paged = paged
         self._prefill_step_size = prefill_step_size
         self._generator_options = generator_options
         self._generator = BatchGenerator(model, **generator_options)
@@ -106,9 +109,13 @@ class Batch:
         alone = not self.busy
         if cache is None:
             start = seq.source.length
-            if start:  # alone it runs on it; joining, the batch copies it (no gather)
-                cache = self.kept(seq, start)
-        if cache is None and seq.seed is not None and seq.seed[0].offset == start:
+            if start and (alone or not self._paged):  # alone it runs on it in place;
+                cache = self.kept(seq, start)  # joining, the batch copies it (no gather)
+            else:  # the batch reads the blocks: a kept copy would only be copied again
+                self.kept_caches.drop(seq.agent_id)
+        if cache is None and start and not alone and self._paged:  # the blocks, as they are
+            cache = to_cache(self.spec, seq.source.layers, start, paged=True)
+        elif cache is None and seq.seed is not None and seq.seed[0].offset == start:
             cache = snapshot(seq.seed)
         elif cache is None and start:
             # Alone, the cache is updated in place: room for the prompt and a block of
@@ -158,6 +165,8 @@ class Batch:
         prefilled."""
         seq.prompting = len(prompt) > 1
         seq.prefilled = len(prompt) if generated else 0
+        if cache is not None and self._paged:  # the batch reads its history's blocks
+            cache = over_blocks(self.spec, seq.source.layers, seq.source.length, cache)
         context = None
         if seq.processors:  # they read the whole sequence: the tokens before the prompt too
             done = [*seq.tokens, *seq.generated]

@@ -82,8 +82,12 @@ class BlockPoolBatchEngine:
         share_prefixes: reuse blocks across agents (namespaces), and run shared
             prefixes once; with ``False`` a sequence reuses only its own namespace's.
         min_shared: the shortest shared prefix worth waiting for.
-        long_prefill: new prompt tokens, or cached history tokens, from which a prefill
-            runs as a job.
+        long_prefill: new prompt tokens (or, without ``paged_batch``, cached history
+            tokens) from which a prefill runs as a job.
+        paged_batch: decoding sequences read their histories' global layers from the
+            pool's blocks, put together a layer at a time as attention needs them,
+            instead of holding a copy in the batch's cache
+            (:class:`~..caches._paged.PagedBatchKVCache`).
         step_seconds: how long one step's prefill should take, at most: the prompt
             tokens a step runs follow the prefill rate measured (:class:`Pacing`), so
             that cancels, timeouts and new turns wait for a short step on any machine.
@@ -109,6 +113,7 @@ class BlockPoolBatchEngine:
         share_prefixes: bool = True,
         min_shared: int = 64,
         long_prefill: int = 1024,
+        paged_batch: bool = False,
         step_seconds: float = 0.25,
         index: PrefixIndex | None = None,
         kept_caches: KeptCaches | None = None,
@@ -141,6 +146,7 @@ class BlockPoolBatchEngine:
         self.share_prefixes = share_prefixes
         self.min_shared = min_shared
         self.long_prefill = long_prefill
+        self.paged_batch = paged_batch
         self.pacing = Pacing(
             step_seconds, ceiling=max(prefill_step_size, 2048) * prefill_batch_size
         )
@@ -189,6 +195,7 @@ class BlockPoolBatchEngine:
             self._kept_caches,
             self.pacing,
             eos,
+            paged=paged_batch,
             prefill_step_size=prefill_step_size,
             generator_options=dict(
                 completion_batch_size=max_batch_size,
@@ -391,10 +398,12 @@ class BlockPoolBatchEngine:
         self.batch.insert(seq, job.cache, job.pos)
 
     def _start_pending(self) -> None:
-        """Start the sequences planned since the last step. A long prefill, or any on a
-        long cached history, runs as a job (one sequence, unpadded, as mlx-lm's own
-        prefill: ``BatchGenerator`` copies and pads every cache in a batch of prompts);
-        short prompts on short histories are prefilled together in the batch."""
+        """Start the sequences planned since the last step. A long prefill runs as a job
+        (one sequence, unpadded, as mlx-lm's own prefill: a batch of prompts is padded
+        to its longest), as does one on a long cached history unless the batch reads
+        histories from the blocks (``paged_batch``: else ``BatchGenerator`` copies and
+        pads every cache in a batch of prompts); short prompts are prefilled together
+        in the batch."""
         pending, self.planner.pending = self.planner.pending, []
         # One short prompt alone decodes outside the batch at once, from its agent's
         # last cache if that is kept (no blocks to gather), whatever its history.
@@ -406,7 +415,9 @@ class BlockPoolBatchEngine:
                 self.planner.make_job(seq)  # it keeps the sliding layers' state at seq.kept
             elif lone and uncached < self.long_prefill:
                 self.batch.insert(seq, None)
-            elif uncached > 0 and max(uncached, cached) >= self.long_prefill:
+            elif uncached >= self.long_prefill or (
+                uncached > 0 and not self.paged_batch and cached >= self.long_prefill
+            ):
                 job = self.planner.make_job(seq)
                 if job.cache is None and cached:  # its agent's kept cache: no gather
                     job.cache = self.batch.kept(seq, cached)

@@ -28,8 +28,8 @@ from mlx_lm.models.cache import RotatingKVCache
 from ...errors import CacheReconstructionError
 from ..caches._dequantized import DequantizedKVCache, QuantizedMarginRotatingKVCache
 from ..caches._gather import gather
-from ..caches._global import GlobalKVCache
 from ..caches._margin import MarginRotatingKVCache
+from ..caches._paged import GlobalKVCache, PagedKVCache
 from ..caches._quantized import BlockQuantizedKVCache, pack, unpack
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefix import Node, Piece, PrefixIndex, cover, runs_of
@@ -139,6 +139,7 @@ def to_cache(
     keep: int,
     *,
     room: int = 0,
+    paged: bool = False,
 ) -> list[Any]:
     """An mlx-lm per-layer cache holding the first ``keep`` tokens, from ``blocks`` (an
     agent's, or per layer the pieces a :class:`~._prefix.Source` found).
@@ -148,13 +149,22 @@ def to_cache(
     :mod:`._gather`). With ``room``, a global layer's arrays have
     space for that many more tokens (rounded up to a block), so that updating the
     cache in place does not copy it again. The copies are lazy: MLX runs them when the
-    cache is first used.
+    cache is first used. ``paged``: a global layer (unquantized) copies nothing, its
+    cache is the pieces (:class:`~._paged.PagedKVCache`, to join the batch).
     """
     layers = pieces(spec, blocks, keep) if isinstance(blocks, AgentBlocks) else blocks
     tail = -(keep + room) % BLOCK_SIZE + room if room else 0
     caches: list[Any] = []
     for layer, layer_pieces in zip(spec.layers, layers, strict=True):
         lo = 0 if layer.window is None else max(0, keep - layer.window)
+        if paged and layer.kind is LayerKind.GLOBAL and layer.quantization is None:
+            caches.append(
+                PagedKVCache(
+                    [(b.keys, b.start, a, z) for b, a, z in layer_pieces if b.keys is not None],
+                    [(b.values, b.start, a, z) for b, a, z in layer_pieces if b.values is not None],
+                )
+            )
+            continue
         extra = tail if layer.kind is LayerKind.GLOBAL else 0
         keys, values = gather(
             [(b.keys, b.start, a, z) for b, a, z in layer_pieces if b.keys is not None],
@@ -177,6 +187,40 @@ def to_cache(
         cache.keys, cache.values, cache.offset = keys, values, keep
         caches.append(cache)
     return caches
+
+
+def over_blocks(
+    spec: ModelCacheSpec, layers: Sequence[Sequence[Piece]], keep: int, cache: list[Any]
+) -> list[Any]:
+    """``cache`` (one holding at least ``keep`` tokens, the first ``keep`` of which
+    ``layers`` hold as pieces of blocks) with its global layers (unquantized) read from
+    the pieces: only their tokens after ``keep`` stay in ``cache``'s arrays (a view of
+    them, for the batch to copy as it merges them)."""
+    if not keep:
+        return cache
+    out: list[Any] = []
+    for layer, c, layer_pieces in zip(spec.layers, cache, layers, strict=True):
+        if (
+            layer.kind is not LayerKind.GLOBAL
+            or layer.quantization is not None
+            or type(c) is not GlobalKVCache
+            or c.offset < keep
+        ):
+            out.append(c)
+            continue
+        tail = GlobalKVCache()
+        if c.offset > keep:
+            tail.keys = c.keys[..., keep : c.offset, :]
+            tail.values = c.values[..., keep : c.offset, :]
+            tail.offset = c.offset - keep
+        out.append(
+            PagedKVCache(
+                [(b.keys, b.start, a, z) for b, a, z in layer_pieces if b.keys is not None],
+                [(b.values, b.start, a, z) for b, a, z in layer_pieces if b.values is not None],
+                tail,
+            )
+        )
+    return out
 
 
 def make_cache(spec: ModelCacheSpec) -> list[Any]:

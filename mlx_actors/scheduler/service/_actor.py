@@ -100,6 +100,7 @@ class Scheduler:
         share_prefixes: bool = True,
         host_bytes: int | None = None,
         kv_quantization: KVQuantization | None = None,
+        paged_batch: bool = False,
         log: Any = None,
     ) -> None:
         self._load = load
@@ -112,6 +113,7 @@ class Scheduler:
             share_prefixes=share_prefixes,
             host_bytes=host_bytes,
             kv_quantization=kv_quantization,
+            paged_batch=paged_batch,
         )
         self._log = log if log is not None else structlog.get_logger(__name__)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()

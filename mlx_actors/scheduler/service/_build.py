@@ -35,6 +35,8 @@ class EngineOptions:
     #: Bytes of host memory for evicted caches (``None``: half the pool's).
     host_bytes: int | None
     kv_quantization: KVQuantization | None
+    #: Decoding rows read their histories from the pool's blocks.
+    paged_batch: bool = False
 
 
 def build_loop(
@@ -78,6 +80,7 @@ def build_loop(
         max_batch_size=options.max_batch_size,
         prefill_step_size=options.prefill_step_size,
         share_prefixes=options.share_prefixes,
+        paged_batch=options.paged_batch,
         index=index,
         kept_caches=kept,
         make_room=caches.make_room,
