@@ -170,15 +170,6 @@ class BlockPoolBatchEngine:
             min_shared=min_shared,
             make_room=room,
         )
-        self._generator_options = dict(
-            completion_batch_size=max_batch_size,
-            # Long prompts and long histories are prefilled as jobs: what joins the
-            # generator's own prompt batches is short, and each join copies every cache
-            # of the running batch, so sequences ready together join in one.
-            prefill_batch_size=max_batch_size,
-            prefill_step_size=prefill_step_size,
-            stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
-        )
         eos = frozenset(tokenizer.eos_token_ids)
         #: The width of the model's logits (token ids it can read and produce).
         self.vocab_size = _vocab_size(model, tokenizer)
