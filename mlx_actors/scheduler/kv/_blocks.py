@@ -27,7 +27,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from ...errors import CacheReconstructionError
 from ..caches._dequantized import DequantizedKVCache, QuantizedMarginRotatingKVCache
-from ..caches._gather import gather
+from ..caches._gather import Part, gather
 from ..caches._margin import MarginRotatingKVCache
 from ..caches._paged import GlobalKVCache, PagedKVCache
 from ..caches._quantized import BlockQuantizedKVCache, pack, unpack
@@ -158,19 +158,10 @@ def to_cache(
     for layer, layer_pieces in zip(spec.layers, layers, strict=True):
         lo = 0 if layer.window is None else max(0, keep - layer.window)
         if paged and layer.kind is LayerKind.GLOBAL and layer.quantization is None:
-            caches.append(
-                PagedKVCache(
-                    [(b.keys, b.start, a, z) for b, a, z in layer_pieces if b.keys is not None],
-                    [(b.values, b.start, a, z) for b, a, z in layer_pieces if b.values is not None],
-                )
-            )
+            caches.append(PagedKVCache(*_parts(layer_pieces)))
             continue
         extra = tail if layer.kind is LayerKind.GLOBAL else 0
-        keys, values = gather(
-            [(b.keys, b.start, a, z) for b, a, z in layer_pieces if b.keys is not None],
-            [(b.values, b.start, a, z) for b, a, z in layer_pieces if b.values is not None],
-            extra,
-        )
+        keys, values = gather(*_parts(layer_pieces), extra)
         q = layer.quantization
         if q is not None and not q.dequantize and layer.kind is LayerKind.GLOBAL:
             cache: Any = BlockQuantizedKVCache(group_size=q.group_size, bits=q.bits)
@@ -213,14 +204,16 @@ def over_blocks(
             tail.keys = c.keys[..., keep : c.offset, :]
             tail.values = c.values[..., keep : c.offset, :]
             tail.offset = c.offset - keep
-        out.append(
-            PagedKVCache(
-                [(b.keys, b.start, a, z) for b, a, z in layer_pieces if b.keys is not None],
-                [(b.values, b.start, a, z) for b, a, z in layer_pieces if b.values is not None],
-                tail,
-            )
-        )
+        out.append(PagedKVCache(*_parts(layer_pieces), tail))
     return out
+
+
+def _parts(pieces: Sequence[Piece]) -> tuple[list[Part], list[Part]]:
+    """A layer's pieces as the gather's parts: keys', values'."""
+    return (
+        [(b.keys, b.start, a, z) for b, a, z in pieces if b.keys is not None],
+        [(b.values, b.start, a, z) for b, a, z in pieces if b.values is not None],
+    )
 
 
 def make_cache(spec: ModelCacheSpec) -> list[Any]:
