@@ -6,7 +6,10 @@ generation, all in one run. Prints JSON.
 
 Each agent's prompt is its chat-templated system + user message, padded to
 ``--prompt-tokens``; every mode decodes greedily up to ``--new-tokens`` tokens and
-stops at the end-of-turn token, so all three generate the same tokens.
+stops at the end-of-turn token, so all three generate the same tokens. The batched modes
+run once each before the counted runs (kernels compiled for their shapes), then in
+pairs; the figure is the median pair. One more raw run prefills every prompt in one
+group (mlx-lm's default is 8 at a time): on a GPU in bf16 that alone can change outputs.
 """
 
 from __future__ import annotations
@@ -95,8 +98,9 @@ async def measure_batched(
     repeats: int,
     trace: Path | None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Both batched modes, interleaved, ``repeats`` times each: the first runs also warm up
-    the kernels for the batch shapes each mode makes."""
+    """Both batched modes, interleaved, ``repeats`` times each, after a run of each that
+    is not counted (it compiles the kernels for the shapes each mode makes, and sets the
+    runtime's prefill pace)."""
     actor_runs, raw_runs = [], []
     prompts = [tokens for _, _, tokens in jobs]
     # Every repeat asks the same prompts: without share_prefixes=False the later ones
@@ -109,6 +113,8 @@ async def measure_batched(
         trace=trace,
         share_prefixes=False,
     ) as rt:
+        await through_actors(rt, jobs, new, -1)
+        through_batch_generator(model, tokenizer, prompts, new)
         for r in range(repeats):
             actor_runs.append(await through_actors(rt, jobs, new, r))
             raw_runs.append(through_batch_generator(model, tokenizer, prompts, new))
@@ -123,20 +129,22 @@ def median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
     return chosen
 
 
-def raw_generator(model: Any, tokenizer: Any, batch: int) -> BatchGenerator:
+def raw_generator(model: Any, tokenizer: Any, batch: int, prefill: int = 8) -> BatchGenerator:
     """mlx-lm's BatchGenerator as the engine builds it: stops at end of turn, room for
-    ``batch`` sequences at once."""
+    ``batch`` sequences at once, prompts prefilled ``prefill`` at a time (mlx-lm's
+    default: 8)."""
     return BatchGenerator(
         model,
         stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
         completion_batch_size=max(32, batch),
+        prefill_batch_size=prefill,
     )
 
 
 def through_batch_generator(
-    model: Any, tokenizer: Any, prompts: list[list[int]], new: int
+    model: Any, tokenizer: Any, prompts: list[list[int]], new: int, prefill: int = 8
 ) -> dict[str, Any]:
-    gen = raw_generator(model, tokenizer, len(prompts))
+    gen = raw_generator(model, tokenizer, len(prompts), prefill)
     start = time.perf_counter()
     uids = gen.insert(prompts, max_tokens=[new] * len(prompts))
     outputs: dict[int, list[int]] = {u: [] for u in uids}
@@ -217,13 +225,19 @@ def main() -> None:
         seq = (
             None if args.no_sequential else sequentially(model, tokenizer, prompts, args.new_tokens)
         )
+        # mlx-lm's own batching, its prompts prefilled all at once instead of 8 at a time.
+        together = through_batch_generator(model, tokenizer, prompts, args.new_tokens, n)
         run: dict[str, Any] = {
             "agents": n,
-            # On a GPU in bf16, how a batch is formed changes the arithmetic, so outputs
-            # of differently formed batches may differ; on a CPU in float32 they match.
+            # On a GPU in bf16, how a batch is formed changes the arithmetic (how many
+            # prompt tokens a model call runs), so outputs of differently formed
+            # batches may differ, mlx-lm's own among them; on a CPU in float32 they match.
             "actors_outputs_equal_batch_generator": actors["outputs"] == raw["outputs"],
             "sequential_outputs_equal_batch_generator": seq is None
             or seq["outputs"] == raw["outputs"],
+            "batch_generator_outputs_equal_with_one_prefill_group": together["outputs"]
+            == raw["outputs"],
+            "actors_outputs_equal_one_prefill_group": actors["outputs"] == together["outputs"],
         }
         for name, result in (("mlx_actors", actors), ("batch_generator", raw), ("sequential", seq)):
             if result is not None:

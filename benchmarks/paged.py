@@ -22,7 +22,8 @@ from _models import model_arguments, random_model, run_facts
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_actors.scheduler.caches._paged import GlobalKVCache, PagedKVCache
+from mlx_actors.scheduler.caches._global import GlobalKVCache
+from mlx_actors.scheduler.caches._paged import PagedKVCache
 
 BLOCK = 256
 

@@ -4,6 +4,7 @@ filter and extract; and the memory agents decoding together take."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import random
 from pathlib import Path
@@ -14,8 +15,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_actors import Runtime
-from mlx_actors.scheduler.caches._global import GlobalBatchKVCache
-from mlx_actors.scheduler.caches._paged import GlobalKVCache
+from mlx_actors.scheduler.caches._global import GlobalBatchKVCache, GlobalKVCache
 from mlx_actors.testing import tiny_config, write_random_model
 
 from ..conftest import INIT_SCALE
@@ -76,6 +76,34 @@ def test_the_batch_cache_holds_what_mlx_lms_holds() -> None:
         assert a.offset == b.offset
         assert mx.array_equal(a.state[0], b.state[0]).item()
         assert mx.array_equal(a.state[1], b.state[1]).item()
+
+
+def test_a_filter_keeping_every_row_matches_mlx_lms() -> None:
+    """mlx-lm splits a batch by copying it and filtering both halves; the half that keeps
+    every row, in order, is filtered without copying its arrays (here with padding every
+    row has, which the filter drops). Afterwards, through growth and extracted rows,
+    everything equals mlx-lm's."""
+    padding = [3, 5, 4]
+    ours, theirs = GlobalBatchKVCache(padding), BatchKVCache(padding)
+    k, v = mx.random.normal((2, len(padding), HEADS, 12, DIM), key=mx.random.key(7))
+    ours.update_and_fetch(k, v)
+    theirs.update_and_fetch(k, v)
+    ours, theirs = copy.deepcopy(ours), copy.deepcopy(theirs)
+    ours.filter([0, 1, 2])
+    theirs.filter([0, 1, 2])
+    assert ours._idx == theirs._idx == 9  # the 3 tokens of padding every row had
+    same(ours, theirs)
+    for step in range(250):  # past the room the cache had
+        k, v = mx.random.normal((2, len(padding), HEADS, 1, DIM), key=mx.random.key(step))
+        a, b = ours.update_and_fetch(k, v), theirs.update_and_fetch(k, v)
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True))
+    for row in (2, 0):
+        a, b = ours.extract(row), theirs.extract(row)
+        assert a.offset == b.offset
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state, strict=True))
+    ours.filter([1])
+    theirs.filter([1])
+    same(ours, theirs)
 
 
 def test_an_empty_merge_is_still_ours() -> None:

@@ -10,7 +10,8 @@ import copy
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlx_actors.scheduler.caches._paged import GlobalKVCache, PagedBatchKVCache, PagedKVCache
+from mlx_actors.scheduler.caches._global import GlobalKVCache
+from mlx_actors.scheduler.caches._paged import PagedBatchKVCache, PagedKVCache
 
 HEADS, DIM, BLOCK = 2, 8, 256
 
@@ -76,7 +77,7 @@ def test_the_paged_batch_gives_attention_what_mlx_lms_gives() -> None:
     specs = [(700, 512), (300, 300), (17, 0), (0, None), (513, 256), (40, None)]
     theirs_rows, ours_rows = rows(specs, 0)
     theirs = KVCache.merge(theirs_rows)
-    ours = GlobalKVCache.merge(ours_rows)
+    ours = PagedBatchKVCache.merge(ours_rows)
     assert isinstance(ours, PagedBatchKVCache)
     # A prompt of unequal lengths, right-padded, as BatchGenerator prefills it.
     lengths = [5, 1, 3, 5, 2, 4]
@@ -91,7 +92,7 @@ def test_the_paged_batch_gives_attention_what_mlx_lms_gives() -> None:
     # A second batch joins (its rows from blocks too), rows leave, a split.
     more_theirs, more_ours = rows([(1000, 768), (2, None)], 50)
     theirs.extend(KVCache.merge(more_theirs))
-    ours.extend(GlobalKVCache.merge(more_ours))
+    ours.extend(PagedBatchKVCache.merge(more_ours))
     step(ours, theirs, 1, 400)
     gone = [0, 3, 6]
     out_theirs = [theirs.extract(i) for i in gone]
@@ -115,7 +116,7 @@ def test_the_paged_batch_gives_attention_what_mlx_lms_gives() -> None:
 
 def test_a_batch_without_histories_is_mlx_lms_own() -> None:
     theirs_rows, ours_rows = rows([(30, None), (0, None)], 7)
-    theirs, ours = KVCache.merge(theirs_rows), GlobalKVCache.merge(ours_rows)
+    theirs, ours = KVCache.merge(theirs_rows), PagedBatchKVCache.merge(ours_rows)
     step(ours, theirs, 1, 8)
     keys, _ = ours.keys_and_values()
     assert keys.shape == (2, HEADS, 31, DIM)

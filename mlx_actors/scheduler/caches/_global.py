@@ -1,6 +1,7 @@
-"""A batch cache of global (full-attention) layers: mlx-lm's ``BatchKVCache``, whose
-copies are made one layer at a time. The batch holds its rows' tokens in it (all of
-them, or with ``paged_batch`` those after the histories: :mod:`._paged`).
+"""The cache of a global (full-attention) layer and its batched form: mlx-lm's ``KVCache``
+and ``BatchKVCache``, whose copies are made one layer at a time. The batch holds its
+rows' tokens in it (all of them, or with ``paged_batch`` those after the histories:
+:mod:`._paged`).
 
 The batch cache changes shape by copying. It grows by a block of every row when its room
 runs out (a new array, the old one still alive), and a sequence joining or leaving the
@@ -25,6 +26,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 
+class GlobalKVCache(KVCache):  # type: ignore[misc]
+    """mlx-lm's ``KVCache``, batched as :class:`GlobalBatchKVCache`."""
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> GlobalBatchKVCache:
+        return GlobalBatchKVCache.merge(caches)
+
+
 class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
     """mlx-lm's ``BatchKVCache``, each copy of its arrays evaluated when it is made."""
 
@@ -35,6 +44,14 @@ class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
         super().__init__(left_padding)
         #: Finished rows handed out as views since the last :meth:`filter`.
         self._extracted: list[KVCache] = []
+        #: ``left_padding`` as a list, until it changes (reading it waits for the device).
+        self._padding: list[int] | None = list(left_padding)
+
+    def padding(self) -> list[int]:
+        """Each row's left padding (read from the device once per change)."""
+        if self._padding is None:
+            self._padding = self.left_padding.tolist()
+        return self._padding
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GlobalBatchKVCache:
         """A copy that shares the arrays' data (mlx-lm deep-copies a batch to split it,
@@ -44,6 +61,7 @@ class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
         if self.keys is not None and self.values is not None:  # new arrays, same data
             copy.keys, copy.values = self.keys[...], self.values[...]
         copy._extracted = []
+        copy.left_padding, copy.offset = self.left_padding[...], self.offset[...]
         return copy
 
     def _settle(self) -> None:
@@ -70,18 +88,24 @@ class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
         self.values = mx.concatenate([old_v, room_v], axis=2)
         self._settle()
 
+    def prepare(self, **kwargs: Any) -> None:
+        super().prepare(**kwargs)
+        self._padding = None
+
     def finalize(self) -> None:
         super().finalize()  # rolls right-padded rows: a copy
+        self._padding = None
         self._settle()
 
     def extend(self, other: Any) -> None:
         super().extend(other)
+        self._padding = None
         self._settle()
 
     def extract(self, idx: int) -> KVCache:
         """Row ``idx``'s cache, as a view of the batch's arrays (see the module)."""
         assert self.keys is not None and self.values is not None
-        padding = int(self.left_padding[idx].item())
+        padding = self.padding()[idx]
         cache = KVCache()
         cache.keys = self.keys[idx : idx + 1, :, padding : self._idx]
         cache.values = self.values[idx : idx + 1, :, padding : self._idx]
@@ -94,8 +118,25 @@ class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
             cache.keys, cache.values = mx.contiguous(cache.keys), mx.contiguous(cache.values)
         mx.eval([(c.keys, c.values) for c in self._extracted])
         self._extracted = []
+        self._padding = None
+        rows: Any = batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices
+        if (
+            self.keys is None
+            or self.values is None
+            or list(rows) != list(range(self.keys.shape[0]))
+        ):
+            super().filter(batch_indices)
+            self._settle()
+            return
+        # Every row stays, in order (the half of a split that keeps them all): mlx-lm's
+        # gather would copy the arrays unchanged, so only its bookkeeping is done here.
+        keys, values, before = self.keys, self.values, self._idx
+        self.keys = self.values = None  # mlx-lm's filter then leaves the arrays alone
         super().filter(batch_indices)
-        self._settle()
+        shift = before - self._idx  # the padding every row had, dropped
+        self.keys, self.values = (
+            (keys[..., shift:, :], values[..., shift:, :]) if shift else (keys, values)
+        )
 
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> GlobalBatchKVCache:

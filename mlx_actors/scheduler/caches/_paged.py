@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache
 
 from ._gather import Part
-from ._global import GlobalBatchKVCache
+from ._global import GlobalBatchKVCache, GlobalKVCache
 from ._rows import Row, assemble
 
 
@@ -65,15 +65,6 @@ class PagedArray:
         if self.tail is not None and hi > at:
             pieces.append(self.tail[..., max(lo, at) - at : hi - at, :])
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
-
-
-class GlobalKVCache(KVCache):  # type: ignore[misc]
-    """A global layer's cache outside the batch: mlx-lm's ``KVCache``, joining the batch
-    as a :class:`PagedBatchKVCache` row whose tokens are all recent ones."""
-
-    @classmethod
-    def merge(cls, caches: Sequence[Any]) -> PagedBatchKVCache:
-        return PagedBatchKVCache.merge(caches)
 
 
 class PagedKVCache:

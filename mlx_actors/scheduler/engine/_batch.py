@@ -165,7 +165,9 @@ class Batch:
         prefilled."""
         seq.prompting = len(prompt) > 1
         seq.prefilled = len(prompt) if generated else 0
-        if cache is not None and self._paged:  # the batch reads its history's blocks
+        if cache is None:
+            cache = make_cache(self.spec)
+        if self._paged:  # a paged batch's row: its history read from the blocks
             cache = over_blocks(self.spec, seq.source.layers, seq.source.length, cache)
         context = None
         if seq.processors:  # they read the whole sequence: the tokens before the prompt too
@@ -174,7 +176,7 @@ class Batch:
         (gen_uid,) = self._generator.insert(
             [prompt],
             max_tokens=[budget],
-            caches=[cache if cache is not None else make_cache(self.spec)],
+            caches=[cache],
             all_tokens=context,
             samplers=[seq.sampler] if seq.sampler is not None else None,
             logits_processors=[seq.processors] if seq.processors else None,

@@ -13,8 +13,8 @@ from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import RotatingKVCache
 
 from ..caches._dequantized import DequantizedKVCache
+from ..caches._global import GlobalKVCache
 from ..caches._margin import MarginRotatingKVCache
-from ..caches._paged import GlobalKVCache
 from ..caches._quantized import BlockQuantizedKVCache, sliced
 from ..kv._blocks import make_cache, to_cache
 from ..kv._pool import BlockPool, KVBlock, Reservation

@@ -28,8 +28,9 @@ from mlx_lm.models.cache import RotatingKVCache
 from ...errors import CacheReconstructionError
 from ..caches._dequantized import DequantizedKVCache, QuantizedMarginRotatingKVCache
 from ..caches._gather import Part, gather
+from ..caches._global import GlobalKVCache
 from ..caches._margin import MarginRotatingKVCache
-from ..caches._paged import GlobalKVCache, PagedKVCache
+from ..caches._paged import PagedKVCache
 from ..caches._quantized import BlockQuantizedKVCache, pack, unpack
 from ._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ._prefix import Node, Piece, PrefixIndex, cover, runs_of
@@ -184,20 +185,21 @@ def over_blocks(
     spec: ModelCacheSpec, layers: Sequence[Sequence[Piece]], keep: int, cache: list[Any]
 ) -> list[Any]:
     """``cache`` (one holding at least ``keep`` tokens, the first ``keep`` of which
-    ``layers`` hold as pieces of blocks) with its global layers (unquantized) read from
-    the pieces: only their tokens after ``keep`` stay in ``cache``'s arrays (a view of
-    them, for the batch to copy as it merges them)."""
-    if not keep:
-        return cache
+    ``layers`` hold as pieces of blocks) as it joins a paged batch: its global layers
+    (unquantized) become :class:`PagedKVCache` rows, read from the pieces; only their
+    tokens after ``keep`` stay in ``cache``'s arrays (a view of them, for the batch to
+    copy as it merges them)."""
     out: list[Any] = []
-    for layer, c, layer_pieces in zip(spec.layers, cache, layers, strict=True):
+    for layer, c, layer_pieces in zip(spec.layers, cache, layers or [()] * len(cache), strict=True):
         if (
             layer.kind is not LayerKind.GLOBAL
             or layer.quantization is not None
             or type(c) is not GlobalKVCache
-            or c.offset < keep
         ):
             out.append(c)
+            continue
+        if not keep or c.offset < keep:  # no history from the blocks: every token recent
+            out.append(PagedKVCache((), (), c))
             continue
         tail = GlobalKVCache()
         if c.offset > keep:
