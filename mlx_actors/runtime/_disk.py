@@ -6,6 +6,7 @@ import concurrent.futures
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..errors import CorruptStateError, StateWriteError
 
@@ -48,7 +50,26 @@ def write_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-#: Checksums of large files are taken over pieces of this size, on several threads.
+#: How a checksum written since XXH3 names its kind (older ones are sha256 hex digests).
+XXH3 = "xxh3-128:"
+
+
+def checksum(data: Any) -> str:
+    """The checksum a chunk file is written with: XXH3's 128-bit hash of its bytes
+    (``data``: any buffer), at memory speed on one core."""
+    return XXH3 + xxhash.xxh3_128(data).hexdigest()
+
+
+def matches(data: Any, recorded: str) -> bool:
+    """Whether ``data`` has the checksum ``recorded``: an XXH3 one, or the sha256 of
+    pieces that files written before it carry (:func:`piecewise_sha256`)."""
+    if recorded.startswith(XXH3):
+        return checksum(data) == recorded
+    return piecewise_sha256(data) == recorded
+
+
+#: sha256 checksums (of files written before XXH3) are taken over pieces of this size,
+#: on several threads.
 PIECE = 4 << 20
 _hashing = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), "mlx-actors-sha256")
 
@@ -143,6 +164,28 @@ def dirs_in(path: Path) -> list[Path]:
 def read_file(path: Path) -> bytes:
     """The bytes of ``path``, never through a symbolic link (:class:`CorruptStateError`
     if it is one; ``FileNotFoundError`` if it is missing)."""
+    with _opened(path) as f:
+        return f.read()
+
+
+def read_array(path: Path) -> np.ndarray:
+    """The bytes of ``path`` (as :func:`read_file` opens it), read straight into one
+    ``uint8`` array: no copy of them is made on the way, and the tensors of a
+    safetensors file are views of it."""
+    with _opened(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = np.empty(size, dtype=np.uint8)
+        view, done = data.data, 0
+        while done < size:
+            n = f.readinto(view[done:])
+            if not n:  # the file shrank while it was read
+                raise CorruptStateError(f"{path} was cut short while it was read")
+            done += n
+        return data
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[io.BufferedReader]:
     try:
         # Non-blocking: a FIFO planted there must not hang the open.
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -153,7 +196,7 @@ def read_file(path: Path) -> bytes:
     with open(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CorruptStateError(f"{path} is not a regular file")
-        return f.read()
+        yield f
 
 
 def writing(what: str, path: Path, exc: OSError) -> StateWriteError:
@@ -224,19 +267,20 @@ def safetensors_bytes(
         yield np.ascontiguousarray(a).tobytes()
 
 
-def read_safetensors(path: Path, sha256: str | None = None) -> tuple[dict[str, np.ndarray], str]:
-    """Tensors of a safetensors file (as unsigned bits) and their dtype; checks the file's
-    checksum and that every tensor lies inside it."""
+def read_safetensors(path: Path, recorded: str | None = None) -> tuple[dict[str, np.ndarray], str]:
+    """Tensors of a safetensors file (as unsigned bits, views of the file's bytes) and
+    their dtype; checks the file's checksum (:func:`matches`) and that every tensor lies
+    inside it."""
     try:
-        data = read_file(path)
+        data = read_array(path)
     except FileNotFoundError as exc:
         raise CorruptStateError(f"{path} is missing") from exc
-    if sha256 is not None and piecewise_sha256(data) != sha256:
+    if recorded is not None and not matches(data, recorded):
         raise CorruptStateError(f"{path} does not match its checksum: corrupt or truncated")
     try:
-        (size,) = struct.unpack_from("<Q", data)
-        header = json.loads(data[8 : 8 + size])
-        body = memoryview(data)[8 + size :]
+        (size,) = struct.unpack_from("<Q", data.data)
+        header = json.loads(data[8 : 8 + size].tobytes())
+        body = data.data[8 + size :]
         header.pop("__metadata__", None)
         tensors, codes = {}, set()
         for name, info in header.items():

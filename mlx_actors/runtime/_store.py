@@ -20,9 +20,9 @@ from ..errors import CorruptStateError
 from ..scheduler import BLOCK_SIZE, BlockEntry, CacheImage
 from ._disk import (
     checked,
+    checksum,
     dirs_in,
     files_in,
-    piecewise_sha256,
     read_json,
     read_safetensors,
     real_dir,
@@ -295,7 +295,7 @@ class DiskCacheStore:
                 tensors[f"{number}.keys"], tensors[f"{number}.values"] = k, v
             meta = {"format": str(CACHE_FORMAT)}
             data = b"".join(safetensors_bytes(tensors, image.dtype, meta))
-            sha = piecewise_sha256(data)
+            sha = checksum(data)
             if not still_real(self.blocks, self.root):
                 raise replaced(self.blocks)
             write_atomic(self.blocks / chunk, data)

@@ -206,14 +206,45 @@ async def test_without_its_runtime_record_a_directory_with_caches_is_refused(
     assert snapshot(state) == before
 
 
+async def test_caches_saved_with_sha256_checksums_still_come_back_warm(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Chunk files are written with an XXH3 checksum; those of older versions carry the
+    sha256 of their pieces, and still load."""
+    async with Runtime(tiny_dir, pool_blocks=400, log_level="off") as rt:
+        straight = await converse(rt, ["ann"], range(3))
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=400, log_level="off", state_dir=state) as rt:
+        await converse(rt, ["ann"], range(2))
+    where = state / "caches" / "ann" / "index.json"
+    index = json.loads(where.read_text())
+    assert all(sum.startswith("xxh3-128:") for sum in index["chunks"].values())
+    blocks = state / "caches" / "_blocks"
+    index["chunks"] = {
+        name: _disk.piecewise_sha256((blocks / name).read_bytes()) for name in index["chunks"]
+    }
+    del index["sha256"]
+    where.write_text(json.dumps(_disk.with_digest(index)))
+    async with Runtime(tiny_dir, pool_blocks=400, log_level="off", state_dir=state) as rt:
+        resumed = await converse(rt, ["ann"], range(2, 3))
+    assert resumed["ann", 2].tokens == straight["ann", 2].tokens
+    assert resumed["ann", 2].usage == straight["ann", 2].usage  # as warm
+
+
+@pytest.mark.parametrize("damage", ["truncated", "one byte changed"])
 async def test_a_corrupt_cache_is_a_clear_error_then_the_agent_starts_over(
-    tiny: Loaded, tiny_dir: Path, tmp_path: Path
+    tiny: Loaded, tiny_dir: Path, tmp_path: Path, damage: str
 ) -> None:
     state = tmp_path / "state"
     async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
         await converse(rt, ["ann"], range(2))
     (chunk,) = (state / "caches" / "_blocks").glob("chunk-*.safetensors")
-    chunk.write_bytes(chunk.read_bytes()[:-100])  # truncated
+    data = bytearray(chunk.read_bytes())
+    if damage == "truncated":
+        del data[-100:]
+    else:  # a value of a block: only the checksum can tell
+        data[-100] ^= 1
+    chunk.write_bytes(bytes(data))
     async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
         ann = rt.agent("ann")
         with pytest.raises(CorruptStateError, match=chunk.name):
