@@ -183,12 +183,17 @@ def _groups(host: Sequence[np.ndarray]) -> list[list[np.ndarray]]:
     groups: list[list[np.ndarray]] = [[]]
     size = 0
     for h in host:
-        if groups[-1] and size + h.nbytes > STAGING_BYTES:
+        if groups[-1] and size + _room(h) > STAGING_BYTES:
             groups.append([])
             size = 0
         groups[-1].append(h)
-        size += -h.nbytes % _ALIGN + h.nbytes
+        size += _room(h)
     return groups
+
+
+def _room(h: np.ndarray) -> int:
+    """Bytes ``h`` takes in a staging buffer: its own, up to the next start."""
+    return -h.nbytes % _ALIGN + h.nbytes
 
 
 def _staged(driver: _Driver, host: Sequence[np.ndarray]) -> list[mx.array]:
@@ -197,7 +202,7 @@ def _staged(driver: _Driver, host: Sequence[np.ndarray]) -> list[mx.array]:
     starts, size = [], 0
     for h in host:
         starts.append(size)
-        size += -h.nbytes % _ALIGN + h.nbytes
+        size += _room(h)
     staging = mx.zeros((size,), mx.uint8)
     mx.eval(staging)
     _synchronize()
