@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mlx_actors.errors import InvalidRequestError, PoolExhaustedError
+from mlx_actors.errors import CacheReconstructionError, InvalidRequestError, PoolExhaustedError
 from mlx_actors.scheduler import BlockPool, LayerKind, LayerSpec, ModelCacheSpec
 
 SPEC = ModelCacheSpec(
@@ -19,7 +19,7 @@ SPEC = ModelCacheSpec(
         for _ in range(2)
     )
 )
-DATA = mx.zeros((1, 2, 1, 4))
+DATA = mx.zeros((1, 2, 1, 4), dtype=mx.float16)
 
 
 def test_block_bytes_and_sizing_from_a_byte_budget() -> None:
@@ -40,6 +40,25 @@ def test_exhaustion_says_what_was_needed_and_free() -> None:
     assert (info.value.needed, info.value.free) == (3, 2)
     assert isinstance(info.value, MemoryError)
     assert pool.statistics().reserved_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("start", "keys", "why"),
+    [
+        (0, mx.zeros((1, 3, 1, 4), dtype=mx.float16), "the model needs"),
+        (0, mx.zeros((1, 2, 1, 4)), "the model's cache is"),
+        (0, mx.zeros((1, 2, 257, 4), dtype=mx.float16), "crosses a block boundary"),
+        (255, mx.zeros((1, 2, 2, 4), dtype=mx.float16), "crosses a block boundary"),
+    ],
+)
+def test_a_block_whose_arrays_do_not_fit_its_layer_is_refused(
+    start: int, keys: mx.array, why: str
+) -> None:
+    pool = BlockPool(SPEC, total_blocks=3)
+    with pytest.raises(CacheReconstructionError, match=why):
+        pool.allocate(1, start, keys, keys)
+    stats = pool.statistics()
+    assert (stats.used_blocks, stats.reserved_blocks, stats.free_blocks) == (0, 0, 3)
 
 
 def test_a_freed_block_cannot_be_used_again() -> None:

@@ -46,7 +46,9 @@ from ._spec import (
 
 def check_blocks(pool: BlockPool, blocks: AgentBlocks) -> None:
     """Raise :class:`CacheReconstructionError` unless ``blocks`` fit ``pool``'s spec and
-    are all live blocks of it."""
+    are all live blocks of it. A block's arrays were checked when the pool took it
+    (:meth:`BlockPool.allocate`), so this walks each layer's blocks once: liveness,
+    order, and the positions they cover."""
     spec = pool.spec
     if len(blocks.layers) != spec.num_layers:
         raise CacheReconstructionError(
@@ -54,22 +56,32 @@ def check_blocks(pool: BlockPool, blocks: AgentBlocks) -> None:
             f"{spec.num_layers}; they were made by another model"
         )
     total = blocks.num_tokens
+    owns = pool.owns
     for index, (layer, layer_blocks) in enumerate(zip(spec.layers, blocks.layers, strict=True)):
         where = f"layer {index}"
         for block in layer_blocks:
-            if not pool.owns(block):
+            if not owns(block):
                 raise CacheReconstructionError(
                     f"{where}: {block!r} is not a live block of this pool (already freed, "
                     "or made by another runtime); the agent's cache is gone"
                 )
-            _check_arrays(where, layer, block)
         if total == 0:
             if layer_blocks:
                 raise CacheReconstructionError(f"{where}: blocks held for an empty history")
             continue
         if not layer_blocks:
             raise CacheReconstructionError(f"{where}: no blocks for {total} cached tokens")
-        needed = 0 if layer.window is None else max(0, total - layer.window)
+        if layer.kind is LayerKind.GLOBAL:
+            at = 0  # each block starts where the one before it ends, the first at 0
+            for block in layer_blocks:
+                if block.start != at:
+                    _misplaced(where, layer_blocks)
+                at = block.end
+            if at != total:
+                raise CacheReconstructionError(
+                    f"{where}: blocks end at token {at} but the history has {total} tokens"
+                )
+            continue
         for before, after in itertools.pairwise(layer_blocks):
             if (before.start, before.end) >= (after.start, after.end):
                 raise CacheReconstructionError(
@@ -80,20 +92,10 @@ def check_blocks(pool: BlockPool, blocks: AgentBlocks) -> None:
                 f"{where}: blocks end at token {layer_blocks[-1].end} but the history has "
                 f"{total} tokens"
             )
-        if layer.kind is LayerKind.GLOBAL:
-            for before, after in itertools.pairwise(layer_blocks):
-                if before.end != after.start:
-                    raise CacheReconstructionError(
-                        f"{where}: blocks are not contiguous ({before!r} then {after!r})"
-                    )
-            if layer_blocks[0].start != 0:
-                raise CacheReconstructionError(
-                    f"{where}: blocks start at token {layer_blocks[0].start} but the layer "
-                    "needs tokens from 0"
-                )
         # A sliding layer may also keep, before and inside its window, the blocks of
         # shared boundaries (anchors): what matters is that its window is covered.
-        elif not any(
+        needed = max(0, total - layer.window) if layer.window is not None else 0
+        if not any(
             start <= needed and end == total
             for start, end in runs_of([(b, b.end) for b in layer_blocks])
         ):
@@ -102,26 +104,23 @@ def check_blocks(pool: BlockPool, blocks: AgentBlocks) -> None:
             )
 
 
-def _check_arrays(where: str, layer: LayerSpec, block: KVBlock) -> None:
-    keys, values = block.keys, block.values
-    if keys is None or values is None:
-        raise CacheReconstructionError(f"{where}: {block!r} holds no data")
-    expected_k = (1, layer.kv_heads, keys.shape[2], layer.stored_key_dim)
-    expected_v = (1, layer.kv_heads, keys.shape[2], layer.stored_value_dim)
-    if tuple(keys.shape) != expected_k or tuple(values.shape) != expected_v:
+def _misplaced(where: str, layer_blocks: Sequence[KVBlock]) -> None:
+    """Raise the error that says how a global layer's blocks fail to run from 0."""
+    if layer_blocks[0].start != 0:
         raise CacheReconstructionError(
-            f"{where}: {block!r} has keys {tuple(keys.shape)} and values "
-            f"{tuple(values.shape)}; the model needs {expected_k} and {expected_v}"
+            f"{where}: blocks start at token {layer_blocks[0].start} but the layer needs "
+            "tokens from 0"
         )
-    if keys.dtype != layer.stored_dtype or values.dtype != layer.stored_dtype:
-        raise CacheReconstructionError(
-            f"{where}: {block!r} holds {keys.dtype}, the model's cache is {layer.stored_dtype}"
-        )
-    if (
-        not 0 < keys.shape[2] <= BLOCK_SIZE
-        or block.start // BLOCK_SIZE != (block.end - 1) // BLOCK_SIZE
-    ):
-        raise CacheReconstructionError(f"{where}: {block!r} crosses a block boundary")
+    for before, after in itertools.pairwise(layer_blocks):
+        if (before.start, before.end) >= (after.start, after.end):
+            raise CacheReconstructionError(
+                f"{where}: blocks are out of order ({before!r} then {after!r})"
+            )
+        if before.end != after.start:
+            raise CacheReconstructionError(
+                f"{where}: blocks are not contiguous ({before!r} then {after!r})"
+            )
+    raise AssertionError("unreachable: the blocks run from 0")
 
 
 def pieces(spec: ModelCacheSpec, blocks: AgentBlocks, keep: int) -> tuple[tuple[Piece, ...], ...]:

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 import mlx.core as mx
 
-from ...errors import InvalidRequestError, PoolExhaustedError
-from ._spec import ModelCacheSpec
+from ...errors import CacheReconstructionError, InvalidRequestError, PoolExhaustedError
+from ._spec import BLOCK_SIZE, LayerSpec, ModelCacheSpec
 from ._tokens import common_prefix
 
 
@@ -253,7 +253,10 @@ class BlockPool:
     def allocate(self, layer: int, start: int, keys: mx.array, values: mx.array) -> KVBlock:
         """Make one block outside any reservation (raises :class:`PoolExhaustedError`)."""
         reservation = self.reserve(self.spec.units(layer))
-        return reservation.allocate(layer, start, keys, values)
+        try:
+            return reservation.allocate(layer, start, keys, values)
+        finally:
+            reservation.release()
 
     def share(self, block: KVBlock) -> KVBlock:
         """Take one more reference to a live block."""
@@ -295,12 +298,40 @@ class BlockPool:
 
     def _take_reserved(self, layer: int, start: int, keys: mx.array, values: mx.array) -> KVBlock:
         block = KVBlock(next(self._ids), layer, start, keys, values)
+        check_arrays(self.spec.layers[layer], block)
         units = self.spec.units(layer)
         self._reserved -= units
         self._used += units
         self._refs[block.id] = 1
         self._live[block.id] = block
         return block
+
+
+def check_arrays(layer: LayerSpec, block: KVBlock) -> None:
+    """Raise :class:`CacheReconstructionError` unless ``block``'s arrays are what its
+    layer stores: ``[1, kv_heads, tokens, dim]`` of the stored dtype, within one
+    256-token span. The pool takes no block that fails (so a live block needs no check
+    again)."""
+    keys, values = block.keys, block.values
+    where = f"layer {block.layer}"
+    if keys is None or values is None:
+        raise CacheReconstructionError(f"{where}: {block!r} holds no data")
+    expected_k = (1, layer.kv_heads, keys.shape[2], layer.stored_key_dim)
+    expected_v = (1, layer.kv_heads, keys.shape[2], layer.stored_value_dim)
+    if tuple(keys.shape) != expected_k or tuple(values.shape) != expected_v:
+        raise CacheReconstructionError(
+            f"{where}: {block!r} has keys {tuple(keys.shape)} and values "
+            f"{tuple(values.shape)}; the model needs {expected_k} and {expected_v}"
+        )
+    if keys.dtype != layer.stored_dtype or values.dtype != layer.stored_dtype:
+        raise CacheReconstructionError(
+            f"{where}: {block!r} holds {keys.dtype}, the model's cache is {layer.stored_dtype}"
+        )
+    if (
+        not 0 < keys.shape[2] <= BLOCK_SIZE
+        or block.start // BLOCK_SIZE != (block.end - 1) // BLOCK_SIZE
+    ):
+        raise CacheReconstructionError(f"{where}: {block!r} crosses a block boundary")
 
 
 class Reservation:
@@ -318,8 +349,9 @@ class Reservation:
                 needed=units,
                 free=self.remaining,
             )
+        block = self._pool._take_reserved(layer, start, keys, values)  # checks it first
         self.remaining -= units
-        return self._pool._take_reserved(layer, start, keys, values)
+        return block
 
     def grow(self, n: int) -> None:
         """Set ``n`` more units aside (raises :class:`PoolExhaustedError`)."""
