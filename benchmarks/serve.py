@@ -21,7 +21,8 @@ Workloads (``--workloads``):
 
 Figures: session completion time (mean, p95), time to first token (p50, p95), tokens
 prefilled against the least a server that keeps every session's cache would prefill,
-and the server process's peak memory (RSS; on a GPU, also nvidia-smi's). The model has
+the server process's peak memory (RSS; on a GPU, also nvidia-smi's), and for mlx-actors
+where its engine's time went (``engine``, read from its trace). The model has
 random weights of ``--shape`` with SmolLM2's tokenizer (BPE) and a ChatML template that
 renders tools, so that both servers read the same prompts.
 """
@@ -133,6 +134,7 @@ class Server:
             self.process = subprocess.Popen(
                 [*command, *extra], stdout=log, stderr=subprocess.STDOUT, text=True
             )
+        self.trace = logs / f"{kind}-{port}.jsonl" if kind == "mlx-actors" else None
         self.url = f"http://127.0.0.1:{port}"
         self._gpu_peak = 0
         self._stop = threading.Event()
@@ -267,6 +269,36 @@ def least_prefill(tokenizer: Any, requests: list[tuple[list[dict[str, Any]], Any
         total += len(tokens) - shared
         previous = list(tokens)
     return total
+
+
+def engine_time(trace: Path) -> dict[str, Any]:
+    """Where mlx-actors' engine spent the run, from its trace's ``batch.step`` events:
+    seconds in steps (of the span from the first step to the last), in prefill jobs
+    (and how many chunks they ran) and in the batch's model work, and the longest
+    steps (a step holds up every sequence in flight)."""
+    steps = []
+    for line in trace.read_text().splitlines():
+        event = json.loads(line)
+        if event.get("event") == "batch.step":
+            steps.append(event)
+    if not steps:
+        return {}
+    stamps = [_seconds(e["timestamp"]) for e in steps]
+    return {
+        "steps": len(steps),
+        "span_s": round(stamps[-1] - stamps[0] + steps[0]["ms"] / 1e3, 2),
+        "in_steps_s": round(sum(e["ms"] for e in steps) / 1e3, 2),
+        "jobs_s": round(sum(e.get("jobs_ms", 0) for e in steps) / 1e3, 2),
+        "job_chunks": sum(e.get("jobs", 0) for e in steps),
+        "batch_s": round(sum(e.get("batch_ms", 0) for e in steps) / 1e3, 2),
+        "longest_steps_ms": sorted((round(e["ms"]) for e in steps), reverse=True)[:5],
+    }
+
+
+def _seconds(timestamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
 
 
 # -- BFCL sessions --------------------------------------------------------------------------
@@ -597,6 +629,8 @@ def main() -> None:
             out["error"] = repr(exc)[:500]
         finally:
             out["memory"] = server.stop()
+            if server.trace is not None and server.trace.exists():
+                out["engine"] = engine_time(server.trace)
         results["servers"][kind] = out
         print(json.dumps({kind: out}), file=sys.stderr, flush=True)
     if "prefix" in args.workloads:
