@@ -61,6 +61,19 @@ def test_a_block_whose_arrays_do_not_fit_its_layer_is_refused(
     assert (stats.used_blocks, stats.reserved_blocks, stats.free_blocks) == (0, 0, 3)
 
 
+def test_sharing_many_blocks_takes_a_reference_to_each_or_to_none() -> None:
+    pool = BlockPool(SPEC, total_blocks=3)
+    a, b, c = (pool.allocate(0, 256 * i, DATA, DATA) for i in range(3))
+    assert pool.share_all([a, b]) == [a, b]
+    assert [pool.references(x) for x in (a, b, c)] == [2, 2, 1]
+    pool.free([c])
+    with pytest.raises(InvalidRequestError, match="not a live block"):
+        pool.share_all([a, c, b])
+    assert [pool.references(x) for x in (a, b)] == [2, 2]
+    pool.free([a, b, a, b])
+    assert pool.used_blocks == 0
+
+
 def test_a_freed_block_cannot_be_used_again() -> None:
     pool = BlockPool(SPEC, total_blocks=3)
     block = pool.allocate(0, 0, DATA, DATA)

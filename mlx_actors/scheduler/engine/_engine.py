@@ -449,8 +449,7 @@ class BlockPoolBatchEngine:
 
     def share(self, blocks: AgentBlocks) -> AgentBlocks:
         """One more holder of ``blocks`` (a fork): every block gains a reference."""
-        for block in blocks.blocks():
-            self.pool.share(block)
+        self.pool.share_all(blocks.blocks())
         return blocks
 
     def forget(self, agent_id: str) -> None:

@@ -75,7 +75,7 @@ class Planner:
                 source = self.index.own(seq.own, seq.kept)
             else:
                 source = self.index.find(seq.namespace, seq.tokens, n - 1)
-            held = [self.pool.share(b) for b in source.blocks()]
+            held = self.pool.share_all(source.blocks())
             try:
                 target = (
                     self._shared_prefill(seq, source.length)
@@ -260,7 +260,7 @@ class Planner:
             for seq in keepers:  # (the blocks stay held: by the job, which its owner
                 seq.checkpoint = pieces(self.spec, blocks, at)  # inherits, or by seq)
                 if seq is not job.owner:
-                    seq.kept_blocks = [self.pool.share(b) for b in blocks.blocks()]
+                    seq.kept_blocks = self.pool.share_all(blocks.blocks())
             if waiting:
                 job.published.append(at)
         seed = snapshot(job.cache)

@@ -264,16 +264,30 @@ class BlockPool:
         self._refs[block.id] += 1
         return block
 
+    def share_all(self, blocks: Iterable[KVBlock]) -> list[KVBlock]:
+        """Take one more reference to each of ``blocks`` (a whole history's at once:
+        all are checked first, so either every block gains a reference or none does)."""
+        out = list(blocks)
+        live, refs = self._live, self._refs
+        for block in out:
+            if live.get(block.id) is not block:
+                self._check_live(block)
+        for block in out:
+            refs[block.id] += 1
+        return out
+
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference to each block; a block with none left is released."""
+        live, refs = self._live, self._refs
         for block in blocks:
-            self._check_live(block)
-            left = self._refs[block.id] - 1
+            if live.get(block.id) is not block:
+                self._check_live(block)
+            left = refs[block.id] - 1
             if left:
-                self._refs[block.id] = left
+                refs[block.id] = left
             else:
-                del self._refs[block.id]
-                del self._live[block.id]
+                del refs[block.id]
+                del live[block.id]
                 self._used -= self.spec.units(block.layer)
                 for callback in self._on_release:
                     callback(block)

@@ -175,8 +175,7 @@ class CacheManager:
         if stale is not None:  # never leak what it held
             self._free(stale)
         if source.blocks is not None:
-            for block in source.blocks.blocks():
-                self.pool.share(block)
+            self.pool.share_all(source.blocks.blocks())
         entry = self.agents[child] = CacheEntry(
             tokens=source.tokens,
             blocks=source.blocks,
