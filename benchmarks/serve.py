@@ -45,6 +45,7 @@ import threading
 import time
 import urllib.request
 import zipfile
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -283,10 +284,10 @@ def engine_time(trace: Path) -> dict[str, Any]:
             steps.append(event)
     if not steps:
         return {}
-    stamps = [_seconds(e["timestamp"]) for e in steps]
+    span = _seconds(steps[-1]["timestamp"]) - _seconds(steps[0]["timestamp"])
     return {
         "steps": len(steps),
-        "span_s": round(stamps[-1] - stamps[0] + steps[0]["ms"] / 1e3, 2),
+        "span_s": round(span + steps[0]["ms"] / 1e3, 2),
         "in_steps_s": round(sum(e["ms"] for e in steps) / 1e3, 2),
         "jobs_s": round(sum(e.get("jobs_ms", 0) for e in steps) / 1e3, 2),
         "job_chunks": sum(e.get("jobs", 0) for e in steps),
@@ -296,8 +297,6 @@ def engine_time(trace: Path) -> dict[str, Any]:
 
 
 def _seconds(timestamp: str) -> float:
-    from datetime import datetime
-
     return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
 
 

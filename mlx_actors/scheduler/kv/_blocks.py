@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
@@ -104,7 +104,7 @@ def check_blocks(pool: BlockPool, blocks: AgentBlocks) -> None:
             )
 
 
-def _misplaced(where: str, layer_blocks: Sequence[KVBlock]) -> None:
+def _misplaced(where: str, layer_blocks: Sequence[KVBlock]) -> NoReturn:
     """Raise the error that says how a global layer's blocks fail to run from 0."""
     if layer_blocks[0].start != 0:
         raise CacheReconstructionError(
