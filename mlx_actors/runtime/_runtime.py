@@ -95,6 +95,12 @@ class Runtime:
             copy of each in the batch's cache: about one copy of the histories less at
             the peak, for a slower decoding step (each step puts every layer's keys and
             values together again). See the memory guide.
+        compile_kernels: on a CUDA GPU, compile every custom kernel the caches may
+            launch (the gather for each number of blocks, the quantization kernels)
+            when the runtime starts: about 2 s each, 13-20 s in all on an H100. Without
+            it each is compiled at its first launch, holding up that step; MLX keeps
+            no compiled copy of them between processes. ``mlx-actors serve`` turns it
+            on. Nothing elsewhere.
 
     When a turn needs more blocks than are free, the least recently used idle agents'
     caches are written to disk and freed; an agent whose cache is on disk gets it back
@@ -123,6 +129,7 @@ class Runtime:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         paged_batch: bool = False,
+        compile_kernels: bool = False,
     ) -> None:
         for name, value in (
             ("max_batch_size", max_batch_size),
@@ -170,6 +177,7 @@ class Runtime:
             share_prefixes=bool(share_prefixes),
             kv_quantization=self._kv,
             paged_batch=bool(paged_batch),
+            compile_kernels=bool(compile_kernels),
         )
         self._registry = Registry(check_running=self._check_running, log=self.log)
         self._tg: TaskGroup | None = None

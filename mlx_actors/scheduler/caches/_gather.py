@@ -7,8 +7,10 @@ MLX's ``concatenate`` runs one copy kernel per input, so an 8K-token history of 
 not the bytes, set the time. The kernel here (:func:`copy`) copies all of a layer's
 pieces, and zeroes the room left after them, in one launch, from a small table of where
 each piece goes; a paged batch's rows are put together by the same kernel
-(:mod:`._rows`). It is compiled once per shape (pieces rounded up to a power of two,
-head sizes, dtype); MLX keeps the compiled code on disk.
+(:mod:`._rows`). It is built for a power of two of pieces (a launch with more inputs
+than it uses costs more), head sizes and dtype. MLX compiles a custom kernel at its
+first launch in each process (1-2 s each on an H100) and keeps no compiled copy on disk:
+:func:`compile_kernels` can do that before the first turn instead of inside a step.
 """
 
 from __future__ import annotations
@@ -172,6 +174,18 @@ _SOURCE = """
         vo_[i] = vi ? vi[i] : zero;
     }
 """
+
+
+def compile_kernels(dtype: mx.Dtype, key_dim: int, value_dim: int) -> None:
+    """Have MLX compile the kernel for every number of arrays a launch takes (a power
+    of two up to :data:`MAX_PARTS`), for arrays of ``dtype`` with heads of ``key_dim``
+    and ``value_dim`` (a CUDA GPU only)."""
+    keys, values = mx.zeros((1, 1, 1, key_dim), dtype), mx.zeros((1, 1, 1, value_dim), dtype)
+    part_k, part_v = (keys, 0, 0, 1), (values, 0, 0, 1)
+    if not _use_kernel([part_k, part_k], [part_v, part_v]):
+        return
+    for slots in (1 << n for n in range(MAX_PARTS.bit_length())):  # 1, 2, 4, ... MAX_PARTS
+        mx.eval(*_launch([part_k] * slots, [part_v] * slots, 0))
 
 
 def _get_kernel(slots: int) -> Any:

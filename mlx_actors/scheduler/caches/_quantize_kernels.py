@@ -107,6 +107,19 @@ def _use_kernel(
         and 0 < _threads(kind, keys.size // keys.shape[-1], dk, dv, q) < 2**31
     ):
         return False
+    return _agreed(kind, dk, dv, dtype, q)
+
+
+def compile_kernels(dk: int, dv: int, dtype: mx.Dtype, q: KVQuantization) -> None:
+    """Compile and check both kernels for heads of ``dk`` and ``dv`` in ``dtype`` (on a
+    CUDA GPU: MLX compiles a custom kernel at its first launch in each process, 1-2 s on
+    an H100), so that no step waits for it."""
+    if kernel_available() and dtype in _FLOATS and dk % q.group_size == dv % q.group_size == 0:
+        for kind in _SOURCES:
+            _agreed(kind, dk, dv, dtype, q)
+
+
+def _agreed(kind: str, dk: int, dv: int, dtype: mx.Dtype, q: KVQuantization) -> bool:
     key = (kind, dtype, q.bits, q.group_size, dk, dv)
     agrees = _agrees.get(key)
     if agrees is None:

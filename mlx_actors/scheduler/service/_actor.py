@@ -84,7 +84,8 @@ class Scheduler:
     other turns are on their way (asked, and not yet rendered: :meth:`announce`), it
     waits for them, as long as each comes within this long (at most ten times as long
     in all), so that turns asked together start in one batch. A lone turn starts at
-    once; 0 turns the wait off.
+    once; 0 turns the wait off. ``compile_kernels``: compile the custom CUDA kernels the
+    caches may launch at start (see :class:`~mlx_actors.Runtime`).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class Scheduler:
         host_bytes: int | None = None,
         kv_quantization: KVQuantization | None = None,
         paged_batch: bool = False,
+        compile_kernels: bool = False,
         log: Any = None,
     ) -> None:
         self._load = load
@@ -114,6 +116,7 @@ class Scheduler:
             host_bytes=host_bytes,
             kv_quantization=kv_quantization,
             paged_batch=paged_batch,
+            compile_kernels=compile_kernels,
         )
         self._log = log if log is not None else structlog.get_logger(__name__)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()

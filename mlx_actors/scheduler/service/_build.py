@@ -1,15 +1,18 @@
 """The engine thread's parts put together, on that thread: the model's cache spec, the
-prefix index, the block pool, the host tier, the cache manager, the batch engine and the
-loop that drives them (each given what it calls at construction)."""
+custom kernels its caches use (compiled before the first turn), the prefix index, the
+block pool, the host tier, the cache manager, the batch engine and the loop that drives
+them (each given what it calls at construction)."""
 
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
+from ..caches import _gather, _quantize_kernels
 from ..caches._quantized import KVQuantization
 from ..engine._engine import BlockPoolBatchEngine
 from ..engine._solo import kept_for
@@ -37,6 +40,8 @@ class EngineOptions:
     kv_quantization: KVQuantization | None
     #: Decoding rows read their histories from the pool's blocks.
     paged_batch: bool = False
+    #: Compile every custom CUDA kernel the caches may launch before the first turn.
+    compile_kernels: bool = False
 
 
 def build_loop(
@@ -52,6 +57,10 @@ def build_loop(
 ) -> EngineLoop:
     """The engine thread's loop over a new pool for ``model``."""
     spec = ModelCacheSpec.from_model(model, quantization=options.kv_quantization)
+    began = time.perf_counter()
+    if options.compile_kernels:
+        _compile_kernels(spec)
+    kernels_ms = (time.perf_counter() - began) * 1000
     index = PrefixIndex(spec)  # told of every block the pool releases
     if options.pool_blocks is not None:
         total = options.pool_blocks * spec.max_units
@@ -92,6 +101,7 @@ def build_loop(
         block_bytes=spec.block_bytes,
         pool_bytes=pool.budget_bytes,
         max_batch_size=options.max_batch_size,
+        kernels_ms=round(kernels_ms, 1),
         **_kv_fields(spec.quantization),
     )
     return EngineLoop(
@@ -104,6 +114,21 @@ def build_loop(
         admission_window=options.admission_window,
         coming=coming,
     )
+
+
+def _compile_kernels(spec: ModelCacheSpec) -> None:
+    """Compile the custom kernels the caches of ``spec`` may launch (on a CUDA GPU;
+    nothing elsewhere): MLX compiles each at its first launch in a process, which
+    inside a step holds up every sequence for a second or two."""
+    done = set()
+    for layer in spec.layers:
+        q = layer.quantization
+        if (layer.dtype, layer.key_dim, layer.value_dim, q) in done:
+            continue
+        done.add((layer.dtype, layer.key_dim, layer.value_dim, q))
+        _gather.compile_kernels(layer.stored_dtype, layer.stored_key_dim, layer.stored_value_dim)
+        if q is not None:
+            _quantize_kernels.compile_kernels(layer.key_dim, layer.value_dim, layer.dtype, q)
 
 
 def max_text_chars(tokenizer: Any, spec: ModelCacheSpec, pool_units: int) -> int | None:
