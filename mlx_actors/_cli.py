@@ -130,6 +130,12 @@ def _serve_parser(commands: Any) -> None:
         help="decode from the pool's blocks: less memory, slower steps on long histories",
     )
     runtime.add_argument(
+        "--cudnn-attention",
+        action="store_true",
+        help="on a CUDA GPU, prefill with MLX's cuDNN attention (off unless "
+        "MLX_CUDA_USE_CUDNN_SDPA is set: it builds a graph for each new prompt length)",
+    )
+    runtime.add_argument(
         "--no-share-prefixes",
         action="store_true",
         help="share nothing across sessions, not even identical prefixes",
@@ -155,6 +161,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    choose_attention(cudnn=args.cudnn_attention)
     try:
         sock = listen(args.host, args.port)
     except OSError as exc:
@@ -172,6 +179,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "kv_group_size": args.kv_group_size,
         "dequantize": args.dequantize,
         "paged_batch": args.paged_batch,
+        "compile_kernels": True,  # a server lives long: no step waits for a compiler
         "share_prefixes": not args.no_share_prefixes,
         "state_dir": args.state_dir,
         "persist": args.persist,
@@ -212,6 +220,17 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         sock.close()
     print("mlx-actors: stopped", file=sys.stderr)
     return 0
+
+
+def choose_attention(*, cudnn: bool) -> None:
+    """On a CUDA GPU, MLX's attention uses cuDNN where it can, and cuDNN builds (and
+    often compiles) a graph for each new pair of query and key lengths: 0.1-1 s, paid by
+    nearly every prefill of a server, whose prompts and histories never repeat a length.
+    The server turns it off (``MLX_CUDA_USE_CUDNN_SDPA=0``, read by MLX at its first
+    attention) unless ``cudnn`` or the environment says otherwise; decoding is alike
+    either way."""
+    if not cudnn:
+        os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
 
 
 def _loopback(host: str) -> bool:

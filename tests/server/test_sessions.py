@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from mlx_actors import Runtime
+from mlx_actors._cli import choose_attention
 from mlx_actors.errors import InvalidRequestError
 from mlx_actors.server import create_app
 from mlx_actors.server._sessions import session_agent
@@ -235,6 +236,20 @@ def test_the_serve_command_serves_and_stops_on_ctrl_c(tiny: Loaded) -> None:
         process.kill()
     assert process.returncode == 0, rest
     assert rest.strip().endswith("mlx-actors: stopped") and "Traceback" not in rest
+
+
+@pytest.mark.parametrize(
+    ("flag", "environment", "expected"),
+    [(False, None, "0"), (False, "1", "1"), (True, None, None)],
+)
+def test_the_server_turns_cudnn_attention_off_unless_told(
+    monkeypatch: pytest.MonkeyPatch, flag: bool, environment: str | None, expected: str | None
+) -> None:
+    monkeypatch.delenv("MLX_CUDA_USE_CUDNN_SDPA", raising=False)
+    if environment is not None:
+        monkeypatch.setenv("MLX_CUDA_USE_CUDNN_SDPA", environment)
+    choose_attention(cudnn=flag)
+    assert os.environ.get("MLX_CUDA_USE_CUDNN_SDPA") == expected
 
 
 def test_serving_beyond_this_machine_needs_a_key() -> None:
