@@ -22,7 +22,10 @@ Workloads (``--workloads``):
 Figures: session completion time (mean, p95), time to first token (p50, p95), tokens
 prefilled against the least a server that keeps every session's cache would prefill,
 the server process's peak memory (RSS; on a GPU, also nvidia-smi's), and for mlx-actors
-where its engine's time went (``engine``, read from its trace). The model has
+where its engine's time went (``engine``, read from its trace). On a CUDA GPU each kind
+of server first serves a few other sessions untimed (``--warmup``): MLX compiles its
+kernels at their first use on a machine and keeps them on disk, so without it the first
+server timed would pay for every server after it. The model has
 random weights of ``--shape`` with SmolLM2's tokenizer (BPE) and a ChatML template that
 renders tools, so that both servers read the same prompts.
 """
@@ -64,7 +67,10 @@ MLX_LM = {
     "mlx-lm-64": ["--prompt-cache-size", "64"],
     "mlx-lm-p512": ["--prefill-step-size", "512"],
     "mlx-lm-p512-64": ["--prefill-step-size", "512", "--prompt-cache-size", "64"],
+    "mlx-lm-p512-nocudnn": ["--prefill-step-size", "512"],
 }
+#: Variants' environment: MLX's cuDNN attention off, as ``mlx-actors serve`` has it.
+MLX_LM_ENV = {"mlx-lm-p512-nocudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "0"}}
 
 #: Tokens each request generates (``--new-tokens``).
 NEW_TOKENS = 32
@@ -88,26 +94,6 @@ def build_model(args: argparse.Namespace) -> Path:
     return path
 
 
-def warm_gather_kernels(model_dir: Path, dtype: Any) -> float:
-    """On a CUDA GPU, compile mlx-actors' gather kernel for every number of pieces
-    (about 1.6 s each on an H100, once per machine: MLX keeps compiled kernels on disk),
-    so that the server is timed as on a machine that has run it before. Seconds taken."""
-    import mlx.core as mx
-
-    from mlx_actors.scheduler.caches import _gather
-
-    if not _gather.kernel_available():
-        return 0.0
-    config = json.loads((model_dir / "config.json").read_text())
-    heads, dim = config["num_key_value_heads"], config["head_dim"]
-    began = time.perf_counter()
-    for slots in (2, 4, 8, 16, 32, 64, 128):
-        block = mx.zeros((1, heads, 256, dim), dtype=dtype)
-        parts = [(block, 256 * i, 256 * i, 256 * i + 256) for i in range(slots)]
-        mx.eval(*_gather._launch(parts, parts, 0))
-    return time.perf_counter() - began
-
-
 def load_tokenizer(path: Path) -> Any:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -120,7 +106,15 @@ def load_tokenizer(path: Path) -> Any:
 class Server:
     """A server process, its readiness, and the peak memory it reached."""
 
-    def __init__(self, kind: str, model: Path, port: int, extra: list[str], logs: Path) -> None:
+    def __init__(
+        self,
+        kind: str,
+        model: Path,
+        port: int,
+        extra: list[str],
+        logs: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.kind, self.port = kind, port
         self.log = logs / f"{kind}-{port}.log"
         if kind == "mlx-actors":
@@ -133,7 +127,11 @@ class Server:
             command += ["--port", str(port), "--log-level", "WARNING", "--temp", "0"]
         with self.log.open("w") as log:
             self.process = subprocess.Popen(
-                [*command, *extra], stdout=log, stderr=subprocess.STDOUT, text=True
+                [*command, *extra],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, **(env or {})},
             )
         self.trace = logs / f"{kind}-{port}.jsonl" if kind == "mlx-actors" else None
         self.url = f"http://127.0.0.1:{port}"
@@ -594,6 +592,12 @@ def main() -> None:
         choices=["mlx-actors", *MLX_LM],
         help="mlx-lm's server with its defaults, or one of its variants (MLX_LM)",
     )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        help="BFCL sessions each kind of server serves, untimed, before any is timed "
+        "(default: 4 on a CUDA GPU, whose kernels MLX compiles at first use, else 0)",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     parser.add_argument(
         "--logs", type=Path, help="where the servers' output and mlx-actors' trace go"
@@ -605,21 +609,29 @@ def main() -> None:
     tokenizer = load_tokenizer(model_dir)
     facts = run_facts("serve", args)
     results: dict[str, Any] = {**facts, "new_tokens": NEW_TOKENS, "servers": {}}
-    warmed = warm_gather_kernels(model_dir, DTYPES[args.dtype])
-    results["gather_kernels_warmed_s"] = round(warmed, 1)
+    if args.warmup is None:
+        import mlx.core as mx
+
+        args.warmup = 4 if mx.cuda.is_available() else 0
+    results["warmup_sessions"] = args.warmup
     sessions = (
-        bfcl_sessions(bfcl_data(args), max(args.sessions), seed=0)
+        bfcl_sessions(bfcl_data(args), max(args.sessions) + args.warmup, seed=0)
         if "bfcl" in args.workloads
         else []
     )
+    warm, sessions = sessions[len(sessions) - args.warmup :], sessions[: max(args.sessions)]
     logs = args.logs or Path(tempfile.mkdtemp(prefix="serve-logs-"))
     logs.mkdir(parents=True, exist_ok=True)
     port = 8700
+    if warm:
+        for kind in args.servers:
+            port += 1
+            warm_up(kind, model_dir, port, warm, logs / "warmup")
     for kind in args.servers:
         port += 1
         extra = MLX_LM.get(kind, [])
         name = "mlx-lm" if kind.startswith("mlx-lm") else kind
-        server = Server(name, model_dir, port, extra, logs)
+        server = Server(name, model_dir, port, extra, logs, MLX_LM_ENV.get(kind))
         out: dict[str, Any] = {}
         try:
             server.wait_ready()
@@ -640,6 +652,30 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text)
+
+
+def warm_up(
+    kind: str, model_dir: Path, port: int, sessions: list[dict[str, Any]], logs: Path
+) -> None:
+    """A throwaway server of ``kind`` serves ``sessions`` (others than the timed ones)
+    first: MLX compiles its GPU kernels at their first use and keeps them on disk for
+    the machine, so that no server is timed compiling what it or another would find
+    compiled on a machine that had served before."""
+    logs.mkdir(parents=True, exist_ok=True)
+    name = "mlx-lm" if kind.startswith("mlx-lm") else kind
+    server = Server(name, model_dir, port, MLX_LM.get(kind, []), logs, MLX_LM_ENV.get(kind))
+    try:
+        server.wait_ready()
+
+        async def serve_them() -> None:
+            async with openai.AsyncOpenAI(
+                base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=3600
+            ) as client:
+                await run_bfcl(client, str(model_dir), sessions, rate=8.0, seed=1)
+
+        asyncio.run(serve_them())
+    finally:
+        server.stop()
 
 
 async def _drive(
