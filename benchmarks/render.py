@@ -1,6 +1,8 @@
 """What turning a long conversation into tokens costs each turn: mlx-lm's way (render the
 whole chat, encode the whole text) against the agent's (render the whole chat, encode
-only from the last cut it shares with the previous turn's text). Prints JSON.
+only from the last cut it shares with the previous turn's text). And a new agent's first
+turn on a brief another agent read just before (``--brief`` tokens): encoded in full, or
+from the other's rendering (``share_prefixes``). Prints JSON.
 
     python benchmarks/render.py --turns 1000
 
@@ -35,8 +37,10 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=1000)
     parser.add_argument("--at", type=int, nargs="+", default=[10, 100, 500, 1000])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--brief", type=int, default=8192, help="tokens of the shared brief")
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.model or default_model_dir())
+    agents = new_agents(tokenizer, args.brief, args.repeats)
     renderer = Renderer(tokenizer)
     rng = random.Random(0)
     conversation: list[dict[str, Any]] = [{"role": "system", "content": "You listen."}]
@@ -67,9 +71,38 @@ def main() -> None:
             rendering = renderer.render(conversation, previous)
         previous = rendering
         conversation.append({"role": "assistant", "content": words(rng, 8)})
-    print(
-        json.dumps({"benchmark": "render", "machine": platform.machine(), "turns": rows}, indent=2)
-    )
+    out = {"benchmark": "render", "machine": platform.machine(), "turns": rows, **agents}
+    print(json.dumps(out, indent=2))
+
+
+def new_agents(tokenizer: Any, brief_tokens: int, repeats: int) -> dict[str, Any]:
+    """New agents' first turns on a brief one agent read before: each agent's rendering
+    alone, and starting from the recent ones (milliseconds, median)."""
+    rng = random.Random(1)
+    brief = words(rng, brief_tokens)
+    ids = tokenizer.encode(brief, add_special_tokens=False)[:brief_tokens]
+    brief = tokenizer.decode(ids)
+
+    def conversation(i: int) -> list[dict[str, Any]]:
+        return [{"role": "system", "content": brief}, {"role": "user", "content": f"Q{i}?"}]
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for share in (False, True):
+        renderer = Renderer(tokenizer)
+        renderer.render(conversation(0), share=share)  # the agent that read it first
+        for i in range(1, repeats + 1):
+            started = time.perf_counter()
+            rendering = renderer.render(conversation(i), share=share)
+            times[share].append(time.perf_counter() - started)
+            expected = tokenizer.apply_chat_template(conversation(i), add_generation_prompt=True)
+            assert rendering.tokens == tuple(expected)
+    return {
+        "new_agent_on_brief": {
+            "brief_tokens": len(ids),
+            "alone_ms": round(statistics.median(times[False]) * 1e3, 2),
+            "from_recent_ms": round(statistics.median(times[True]) * 1e3, 2),
+        }
+    }
 
 
 if __name__ == "__main__":

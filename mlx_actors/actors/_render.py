@@ -22,6 +22,11 @@ if, in the new text,
 
 Anything else (a slow tokenizer, ``split_special_tokens``, no cut) encodes the whole
 text, as mlx-lm does; the tests compare both ways on many conversations and tokenizers.
+
+The earlier rendering is the agent's own; an agent with none yet (new, reset, or back
+from disk) starts from the recent rendering of any agent that shares the most text with
+its own (:class:`RecentRenderings`: a brief or tool list many agents share, a
+conversation a client sends again for a new session), so only what differs is encoded.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import re
 import threading
 import weakref
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,13 +55,44 @@ class Rendering:
     reused: int = 0
 
 
+class RecentRenderings:
+    """The last few long renderings of any agent: where an agent with no rendering of
+    its own starts from. Not thread-safe: use it under the tokenizer's lock."""
+
+    #: Renderings kept, and the shortest text worth keeping (shorter ones encode in
+    #: about a millisecond).
+    SIZE = 8
+    MIN_CHARS = 4_000
+
+    def __init__(self) -> None:
+        self._kept: deque[Rendering] = deque(maxlen=self.SIZE)
+
+    def closest(self, text: str) -> Rendering | None:
+        """The kept rendering that shares the longest start with ``text``, if one
+        shares at least :data:`MIN_CHARS` characters."""
+        best, shared = None, self.MIN_CHARS - 1
+        for rendering in self._kept:
+            n = common_prefix(rendering.text, text)
+            if n > shared:
+                best, shared = rendering, n
+        return best
+
+    def add(self, rendering: Rendering) -> None:
+        """Keep ``rendering`` if it is long and has cuts (the oldest goes)."""
+        if len(rendering.text) >= self.MIN_CHARS and rendering.cuts:
+            self._kept.append(rendering)
+
+
 class Renderer:
     """Renders conversations with ``tokenizer``'s chat template (an mlx-lm tokenizer),
-    reusing the tokens of an earlier rendering up to their last usable cut. Not
-    thread-safe: call it under the tokenizer's lock."""
+    reusing the tokens of an earlier rendering up to their last usable cut, and keeps
+    the recent ones (:attr:`recent`). Not thread-safe: call it under the tokenizer's
+    lock."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        #: Recent renderings of every agent that shares them (:meth:`render`).
+        self.recent = RecentRenderings()
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         self._hf = hf
         added: Mapping[int, Any] = getattr(hf, "added_tokens_decoder", None) or {}
@@ -85,10 +122,14 @@ class Renderer:
         self,
         conversation: Sequence[Mapping[str, Any]],
         previous: Rendering | None = None,
+        *,
+        share: bool = False,
         **template_args: Any,
     ) -> Rendering:
         """The conversation with the generation prompt, as mlx-lm reads it (with
-        ``template_args`` for the chat template, such as ``tools``)."""
+        ``template_args`` for the chat template, such as ``tools``). ``share``: with no
+        ``previous``, start from the closest of :attr:`recent`, and add this rendering
+        to them."""
         if not self.incremental:
             tokens = self._tokenizer.apply_chat_template(
                 list(conversation), add_generation_prompt=True, tokenize=True, **template_args
@@ -99,11 +140,16 @@ class Renderer:
         )
         if not isinstance(text, str):  # a template that tokenises by itself
             raise TypeError(f"the chat template gave {type(text).__name__}, not text")
+        if previous is None and share:
+            previous = self.recent.closest(text)
         at, index, kept = self._resume(text, previous)
         assert previous is not None or at == 0
         head = previous.tokens[:index] if previous is not None else ()
         tokens, cuts = self._encode(text, at, index)
-        return Rendering(text, head + tokens, kept + cuts, index)
+        rendering = Rendering(text, head + tokens, kept + cuts, index)
+        if share:
+            self.recent.add(rendering)
+        return rendering
 
     def _resume(
         self, text: str, previous: Rendering | None

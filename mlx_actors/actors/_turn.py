@@ -226,7 +226,9 @@ class TurnRunner:
             head = [Message(role="system", content=system)] if system else []
             conversation = [m.as_dict() for m in (*head, *messages)]
         with contextlib.nullcontext() if locked else self._scheduler.tokenizer_lock:
-            self._rendering = self._renderer.render(conversation, self._rendering, **extra)
+            self._rendering = self._renderer.render(
+                conversation, self._rendering, share=self._scheduler.share_prefixes, **extra
+            )
         return list(self._rendering.tokens)
 
 

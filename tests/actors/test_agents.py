@@ -14,6 +14,7 @@ import pytest
 from anyio import wait_all_tasks_blocked
 
 from mlx_actors import Runtime
+from mlx_actors.actors._render import RecentRenderings
 from mlx_actors.errors import (
     AgentClosedError,
     ContextLengthError,
@@ -79,6 +80,26 @@ async def test_a_dialogue_equals_mlx_lm_through_a_persistent_cache(
         assert stats.turns == 5
         assert stats.cached_tokens > stats.prefill_tokens
         assert stats.pool.used_blocks == await held_by_agents(rt)
+
+
+@pytest.mark.parametrize("share", [True, False])
+async def test_a_new_agent_encodes_only_what_it_does_not_share_with_recent_ones(
+    tiny: Loaded, tiny_dir: Path, share: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(RecentRenderings, "MIN_CHARS", 200)  # within the tiny context
+    brief = "Read this brief with care. " * 20  # longer than a rendering worth keeping
+    async with runtime(tiny_dir, share_prefixes=share) as rt:
+        ann = await rt.spawn("ann", system=brief, max_tokens=4)
+        bob = await rt.spawn("bob", system=brief, max_tokens=4)
+        await ann.ask("Hello there.")
+        reply = await bob.ask("What does it say?")
+        rendering = bob._turns._rendering
+        assert rendering is not None
+        assert list(rendering.tokens) == render(tiny.tokenizer, bob.history[:-1])
+        assert len(reply.tokens) > 0
+        # With sharing, bob's first rendering starts from ann's: only the text after the
+        # brief is encoded; without it, nothing of another agent's is read.
+        assert (rendering.reused > len(brief) // 10) is share
 
 
 async def test_eight_agents_share_batches_and_match_single_references(

@@ -24,7 +24,7 @@ from tokenizers import (
     trainers,
 )
 
-from mlx_actors.actors._render import Renderer, Rendering
+from mlx_actors.actors._render import RecentRenderings, Renderer, Rendering
 from mlx_actors.runtime import default_model_dir
 from mlx_actors.scheduler.kv import common_prefix
 from mlx_actors.testing import CHATML_TEMPLATE
@@ -204,6 +204,49 @@ def test_a_long_dialogue_encodes_only_its_new_turns(tokenizer: Any) -> None:
         reply = "".join(rng.choice(["x", "y ", "<think>z</think> ", "\n"]) for _ in range(9))
         conversation.append({"role": "assistant", "content": reply})
         previous = rendering
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(brief=texts, questions=st.lists(texts, min_size=2, max_size=4))
+def test_a_new_conversation_starts_from_the_closest_recent_rendering(
+    tokenizer: Any, brief: str, questions: list[str]
+) -> None:
+    renderer = Renderer(tokenizer)
+    brief = (brief + "\n") * (RecentRenderings.MIN_CHARS // (len(brief) + 1) + 1)
+    renderings = []
+    for question in questions:  # each a conversation of its own, sharing the brief
+        conversation = [
+            {"role": "system", "content": brief},
+            {"role": "user", "content": question},
+        ]
+        rendering = renderer.render(conversation, share=True)
+        assert rendering.tokens == full(tokenizer, conversation)
+        renderings.append(rendering)
+    assert renderings[0].reused == 0  # nothing recent yet
+
+
+def test_a_long_shared_start_is_encoded_once(tokenizer: Any) -> None:
+    renderer = Renderer(tokenizer)
+    brief = "Read this brief with care. " * 200
+
+    def conversation(question: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": brief}, {"role": "user", "content": question}]
+
+    first = renderer.render(conversation("a"), share=True)
+    second = renderer.render(conversation("b"), share=True)
+    alone = renderer.render(conversation("c"))  # not sharing: encoded in full
+    assert second.tokens == full(tokenizer, conversation("b"))
+    # Encoded from the last cut inside the shared text: after the brief.
+    shared = common_prefix(first.text, second.text)
+    assert second.reused == max(i for at, i in first.cuts if at < shared) > len(brief) // 10
+    assert alone.reused == 0
+    # A start shorter than a rendering worth keeping is not looked for.
+    short = [{"role": "system", "content": "Brief."}, {"role": "user", "content": "a"}]
+    assert renderer.render(short, share=True).reused == 0
 
 
 def test_without_a_usable_cut_the_whole_text_is_encoded(tmp_path: Path) -> None:

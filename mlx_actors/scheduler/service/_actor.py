@@ -207,6 +207,11 @@ class Scheduler:
         raise error
 
     @property
+    def share_prefixes(self) -> bool:
+        """Whether agents share what they hold in common (``share_prefixes=``)."""
+        return self._options.share_prefixes
+
+    @property
     def token(self) -> EventLoopToken | None:
         """The event loop the scheduler serves (``None`` before :meth:`serve`)."""
         return self._token
