@@ -17,7 +17,8 @@ Workloads (``--workloads``):
   sub-agents (6-7K) taking turns, the main agent after each (vllm-mlx #541's shape).
 - ``prefix``: eight sessions on one warm 8K-token prefix asked at once (oMLX #3348's
   shape): the spread of their first tokens, and their decoding speed against mlx-lm's bare
-  ``BatchGenerator`` decoding the same eight in this process.
+  ``BatchGenerator`` decoding the same eight (on a CUDA GPU in a process of its own, once
+  with MLX's cuDNN attention and once without, as ``mlx-actors serve`` runs it).
 
 Figures: session completion time (mean, p95), time to first token (p50, p95), tokens
 prefilled against the least a server that keeps every session's cache would prefill,
@@ -599,10 +600,14 @@ def main() -> None:
         "(default: 4 on a CUDA GPU, whose kernels MLX compiles at first use, else 0)",
     )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--bare-decode", type=Path, help=argparse.SUPPRESS)  # a child run
     parser.add_argument(
         "--logs", type=Path, help="where the servers' output and mlx-actors' trace go"
     )
     args = parser.parse_args()
+    if args.bare_decode is not None:  # bare_decode_rates' child: the rate, then exit
+        print(round(bare_batch_decode(args.bare_decode, args.prefix_tokens, 8, 64), 1))
+        return
     args.model = None
     NEW_TOKENS = args.new_tokens
     model_dir = build_model(args)
@@ -645,13 +650,39 @@ def main() -> None:
         results["servers"][kind] = out
         print(json.dumps({kind: out}), file=sys.stderr, flush=True)
     if "prefix" in args.workloads:
-        results["bare_batch_decode_tokens_per_s"] = round(
-            bare_batch_decode(model_dir, args.prefix_tokens, 8, 64), 1
-        )
+        results.update(bare_decode_rates(model_dir, args.prefix_tokens))
     text = json.dumps(results, indent=2)
     print(text)
     if args.out:
         args.out.write_text(text)
+
+
+def bare_decode_rates(model_dir: Path, prefix_tokens: int) -> dict[str, float]:
+    """mlx-lm's bare ``BatchGenerator`` on the prefix workload's eight sequences. On a
+    CUDA GPU twice, each in a process of its own: with MLX's cuDNN attention (its
+    default) and without (as ``mlx-actors serve`` runs), since decoding on long caches
+    may take either."""
+    import mlx.core as mx
+
+    if not mx.cuda.is_available():
+        return {
+            "bare_batch_decode_tokens_per_s": round(
+                bare_batch_decode(model_dir, prefix_tokens, 8, 64), 1
+            )
+        }
+    rates = {}
+    child = [sys.executable, __file__, "--bare-decode", str(model_dir)]
+    child += ["--prefix-tokens", str(prefix_tokens)]
+    for key, cudnn in (("", "1"), ("_no_cudnn", "0")):
+        done = subprocess.run(
+            child,
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "MLX_CUDA_USE_CUDNN_SDPA": cudnn},
+        )
+        rates[f"bare_batch_decode{key}_tokens_per_s"] = float(done.stdout.split()[-1])
+    return rates
 
 
 def warm_up(
