@@ -9,7 +9,7 @@ import pytest
 from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine
 from mlx_actors.scheduler.engine import Pacing, _buffers, chunk
 
-from ..conftest import Loaded, reference
+from ..conftest import Loaded, ReferenceChat, reference, run_to_completion
 from .test_engine import prompt
 
 N = 12
@@ -100,4 +100,54 @@ def test_a_prefills_buffers_leave_mlxs_cache(
         prefilled += engine.last_step.prefill_tokens
         assert mx.get_cache_memory() < 2 << 20  # the rest of the step may add a little
     assert prefilled == length
+    engine.close()
+
+
+def test_short_prefills_started_together_start_decoding_together(tiny: Loaded) -> None:
+    pool = BlockPool(tiny.spec, total_blocks=400)
+    # Every step's budget is the floor (16 tokens), less than any of these prompts: paced
+    # alone, each prefill would take steps of its own, and its turn start in its own step.
+    engine = BlockPoolBatchEngine(
+        tiny.model, tiny.tokenizer, pool, step_seconds=1e-9, long_prefill=64
+    )
+    eos = tiny.tokenizer.eos_token_ids
+    chats = [ReferenceChat(tiny.model, eos) for _ in range(4)]
+    histories = []
+    for i, chat in enumerate(chats):  # each agent's first turn, alone
+        first = prompt(200, 30 + i)
+        uid = engine.submit(f"a{i}", first, max_tokens=8)
+        result = run_to_completion(engine)[uid]
+        assert list(result.tokens) == chat.turn(first, 8)
+        histories.append(result.blocks)
+    steps = 0
+    first_token_at: dict[int, int] = {}
+    questions = [prompt(40 + 7 * i, 40 + i) for i in range(4)]
+    uids = [
+        engine.submit(
+            f"a{i}",
+            question,
+            histories[i],
+            max_tokens=N,
+            on_token=lambda event: first_token_at.setdefault(event.uid, steps),
+        )
+        for i, question in enumerate(questions)
+    ]
+    done = {}
+    jobs = []
+    while engine.active:
+        steps += 1
+        for r in engine.step():
+            done[r.uid] = r
+        assert engine.last_step is not None
+        jobs.append(engine.last_step.jobs)
+    # Each a prefill job on its cached history, all four in one step: their first tokens
+    # come out of one step.
+    assert max(jobs) == 4
+    assert len({first_token_at[uid] for uid in uids}) == 1
+    for i, uid in enumerate(uids):
+        history = [*histories[i].tokens, *questions[i]]
+        assert list(done[uid].tokens) == chats[i].turn(history, N)
+        engine.release(histories[i])
+        engine.release(done[uid].blocks)
+    assert pool.used_blocks == 0
     engine.close()

@@ -346,22 +346,32 @@ class BlockPoolBatchEngine:
         """A chunk of each prefill job, oldest first, while the step's budget lasts (as
         many tokens as ``prefill_batch_size`` chunks): publish the checkpoints they reach
         (the sequences that waited there start at once, as jobs or in the batch), hand
-        each finished job's sequence to the batch. Returns the jobs run and the tokens
-        prefilled."""
+        each finished job's sequence to the batch. Once a job of a gang ran, the rest of
+        its gang runs in the same step, whatever the budget. Returns the jobs run and the
+        tokens prefilled."""
         # Chunks of ``prefill_step_size`` keep the decoding sequences' steps short; when
         # nothing decodes, chunks as large as mlx-lm's own; all within the step's pace.
         decoding = self.batch.busy
-        chunk = self.prefill_step_size if decoding else max(self.prefill_step_size, 2048)
-        budget = min(chunk * self.prefill_batch_size, self.pacing.budget())
-        chunk = min(chunk, budget)
+        whole = self.prefill_step_size if decoding else max(self.prefill_step_size, 2048)
+        budget = min(whole * self.prefill_batch_size, self.pacing.budget())
+        chunk = min(whole, budget)
         done = ran = at = 0
-        while at < len(self.planner.jobs) and done < budget:
+        gangs: set[int] = set()  # gangs with a job run in this step: the rest run too
+        while at < len(self.planner.jobs):
             job = self.planner.jobs[at]
+            gang = id(job.gang) if job.gang is not None else None
+            if done >= budget and gang not in gangs:
+                at += 1  # over the budget, only the rest of a gang that ran goes on
+                continue
             if job.owner is not None:
                 self._prefilled.append(job.owner.agent_id)
             began = time.perf_counter()
             with mx.stream(self.batch.stream):
-                limit = fit(min(chunk, budget - done), job.next_stop() - job.pos)
+                if gang is not None:  # a chunk or less: all of it, beside its gang
+                    gangs.add(gang)
+                    limit = fit(whole, job.next_stop() - job.pos)
+                else:
+                    limit = fit(min(chunk, budget - done), job.next_stop() - job.pos)
                 n = job.run_chunk(self.model, self.spec, limit)
             self.pacing.record(n, time.perf_counter() - began)
             done += n
@@ -394,8 +404,10 @@ class BlockPoolBatchEngine:
         to its longest), as does one on a long cached history unless the batch reads
         histories from the blocks (``paged_batch``: else ``BatchGenerator`` copies and
         pads every cache in a batch of prompts); short prompts are prefilled together
-        in the batch."""
+        in the batch. Jobs of a chunk or less started together form a gang: they run in
+        one step, so their turns start decoding together."""
         pending, self.planner.pending = self.planner.pending, []
+        short: list[PrefillJob] = []
         # One short prompt alone decodes outside the batch at once, from its agent's
         # last cache if that is kept (no blocks to gather), whatever its history.
         lone = len(pending) == 1 and not self.planner.jobs and not self.batch.busy
@@ -412,8 +424,14 @@ class BlockPoolBatchEngine:
                 job = self.planner.make_job(seq)
                 if job.cache is None and cached:  # its agent's kept cache: no gather
                     job.cache = self.batch.kept(seq, cached)
+                if job.next_stop() - job.pos <= self.prefill_step_size:
+                    short.append(job)
             else:
                 self.batch.insert(seq, None)
+        if len(short) > 1:
+            gang = object()
+            for job in short:
+                job.gang = gang
 
     def _refuse(self, seq: EngineSequence, error: MlxActorsError) -> None:
         del self._sequences[seq.uid]

@@ -57,6 +57,9 @@ class PrefillJob:
     keeps: dict[int, list[Any]] = attrs.Factory(dict)
     #: Positions it published blocks at.
     published: list[int] = attrs.Factory(list)
+    #: The short prefills started with it (turns admitted together), shared by them:
+    #: once one runs in a step, all do, so that they start decoding together.
+    gang: object | None = None
 
     def checkpoint(self, at: int, slack: int) -> tuple[int, bool]:
         """Where a sequence that shares the first ``at`` tokens should wait: an existing
