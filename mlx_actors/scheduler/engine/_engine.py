@@ -356,19 +356,18 @@ class BlockPoolBatchEngine:
         budget = min(whole * self.prefill_batch_size, self.pacing.budget())
         chunk = min(whole, budget)
         done = ran = at = 0
-        gangs: set[int] = set()  # gangs with a job run in this step: the rest run too
+        gangs: set[object] = set()  # gangs with a job run in this step: the rest run too
         while at < len(self.planner.jobs):
             job = self.planner.jobs[at]
-            gang = id(job.gang) if job.gang is not None else None
-            if done >= budget and gang not in gangs:
+            if done >= budget and job.gang not in gangs:
                 at += 1  # over the budget, only the rest of a gang that ran goes on
                 continue
             if job.owner is not None:
                 self._prefilled.append(job.owner.agent_id)
             began = time.perf_counter()
             with mx.stream(self.batch.stream):
-                if gang is not None:  # a chunk or less: all of it, beside its gang
-                    gangs.add(gang)
+                if job.gang is not None:  # a chunk or less: all of it, beside its gang
+                    gangs.add(job.gang)
                     limit = fit(whole, job.next_stop() - job.pos)
                 else:
                     limit = fit(min(chunk, budget - done), job.next_stop() - job.pos)
