@@ -106,6 +106,28 @@ def test_a_filter_keeping_every_row_matches_mlx_lms() -> None:
     same(ours, theirs)
 
 
+def test_filters_keeping_any_rows_match_mlx_lms() -> None:
+    """Rows are kept as runs of consecutive rows copied together: for every way of keeping
+    some of six rows of unequal padding (one run or several, the padding they all have
+    dropped or not), the cache and the next updates equal mlx-lm's."""
+    lengths = [40, 3, 300, 0, 77, 256]
+    rng = random.Random(1)
+    for trial in range(24):
+        keep = sorted(rng.sample(range(len(lengths)), rng.randint(1, len(lengths))))
+        ours = GlobalBatchKVCache.merge(
+            [filled(GlobalKVCache, n, i) for i, n in enumerate(lengths)]
+        )
+        theirs = KVCache.merge([filled(KVCache, n, i) for i, n in enumerate(lengths)])
+        ours.filter(keep)
+        theirs.filter(keep)
+        same(ours, theirs)
+        for step in range(3):
+            k, v = mx.random.normal((2, len(keep), HEADS, 1, DIM), key=mx.random.key(trial + step))
+            a, b = ours.update_and_fetch(k, v), theirs.update_and_fetch(k, v)
+            assert all(mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True))
+        same(ours, theirs)
+
+
 def test_an_empty_merge_is_still_ours() -> None:
     batch = GlobalBatchKVCache.merge([GlobalKVCache(), GlobalKVCache()])
     assert isinstance(batch, GlobalBatchKVCache)

@@ -25,6 +25,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from ._keep import as_rows, keep_rows
+
 
 class GlobalKVCache(KVCache):  # type: ignore[misc]
     """mlx-lm's ``KVCache``, batched as :class:`GlobalBatchKVCache`."""
@@ -39,6 +41,8 @@ class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
 
     keys: mx.array | None
     values: mx.array | None
+    offset: mx.array
+    left_padding: mx.array
 
     def __init__(self, left_padding: list[int]) -> None:
         super().__init__(left_padding)
@@ -50,7 +54,7 @@ class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
     def padding(self) -> list[int]:
         """Each row's left padding (read from the device once per change)."""
         if self._padding is None:
-            self._padding = self.left_padding.tolist()
+            self._padding = as_rows(self.left_padding)
         return self._padding
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GlobalBatchKVCache:
@@ -114,29 +118,30 @@ class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
         return cache
 
     def filter(self, batch_indices: Any) -> None:
+        """Keep rows ``batch_indices``, as mlx-lm's ``filter`` does: the padding every
+        row kept has is dropped. The rows are copied a run of consecutive rows at a
+        time (:func:`._keep.keep_rows`); none when all stay in order (the half of a
+        split that keeps them all)."""
         for cache in self._extracted:  # their rows copied, the old arrays can go
             cache.keys, cache.values = mx.contiguous(cache.keys), mx.contiguous(cache.values)
         mx.eval([(c.keys, c.values) for c in self._extracted])
         self._extracted = []
-        self._padding = None
-        rows: Any = batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices
-        if (
-            self.keys is None
-            or self.values is None
-            or list(rows) != list(range(self.keys.shape[0]))
-        ):
+        rows = as_rows(batch_indices)
+        if not rows:
             super().filter(batch_indices)
-            self._settle()
+            self._padding = None
             return
-        # Every row stays, in order (the half of a split that keeps them all): mlx-lm's
-        # gather would copy the arrays unchanged, so only its bookkeeping is done here.
-        keys, values, before = self.keys, self.values, self._idx
-        self.keys = self.values = None  # mlx-lm's filter then leaves the arrays alone
-        super().filter(batch_indices)
-        shift = before - self._idx  # the padding every row had, dropped
-        self.keys, self.values = (
-            (keys[..., shift:, :], values[..., shift:, :]) if shift else (keys, values)
-        )
+        kept = [self.padding()[i] for i in rows]
+        shift = min(kept)  # the padding every row kept has
+        if self.keys is not None and self.values is not None:
+            self.keys = keep_rows(self.keys, rows, shift)
+            self.values = keep_rows(self.values, rows, shift)
+            self._settle()
+        index = mx.array(rows)
+        self.offset = self.offset[index]
+        self.left_padding = self.left_padding[index] - shift
+        self._idx -= shift
+        self._padding = [p - shift for p in kept]
 
     @classmethod
     def merge(cls, caches: Sequence[Any]) -> GlobalBatchKVCache:

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from ._gather import Part
 from ._global import GlobalBatchKVCache, GlobalKVCache
+from ._keep import as_rows
 from ._rows import Row, assemble
 
 
@@ -211,15 +212,12 @@ class PagedBatchKVCache(BatchKVCache):  # type: ignore[misc]
         self._recent_pad = [p + q for p, q in zip(self._recent_pad, padding, strict=True)]
 
     def filter(self, batch_indices: Any) -> None:
-        listed: Any = (
-            batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices
-        )
-        keep = [int(i) for i in listed]
+        keep = as_rows(batch_indices)
         self.rows = [self.rows[i] for i in keep]
         self.offset = self.offset[mx.array(keep)]
         self.left_padding = self.left_padding[mx.array(keep)]
         self.recent.filter(keep)
-        self._recent_pad = self.recent.left_padding.tolist()
+        self._recent_pad = as_rows(self.recent.left_padding)
         shift = min(self._pads())
         if shift > 0:  # as mlx-lm's: drop the padding every row has
             self._idx -= shift
@@ -243,7 +241,7 @@ class PagedBatchKVCache(BatchKVCache):  # type: ignore[misc]
         self.rows = [*self.rows, *other.rows]
         self._idx = longest
         self.recent.extend(other.recent)
-        self._recent_pad = self.recent.left_padding.tolist()
+        self._recent_pad = as_rows(self.recent.left_padding)
 
     def extract(self, idx: int) -> PagedKVCache:
         """Row ``idx``'s cache: its pieces, and its recent tokens as a view (copied only
@@ -283,5 +281,5 @@ class PagedBatchKVCache(BatchKVCache):  # type: ignore[misc]
         batch._idx = longest
         batch.rows = rows
         batch.recent = GlobalBatchKVCache.merge(tails)
-        batch._recent_pad = batch.recent.left_padding.tolist()
+        batch._recent_pad = as_rows(batch.recent.left_padding)
         return batch

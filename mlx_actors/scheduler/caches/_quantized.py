@@ -24,6 +24,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, dynamic_roll
 
 from ...errors import InvalidRequestError
+from ._keep import as_rows, keep_rows
 
 #: The bits mx.quantize takes for the KV cache, and its group sizes.
 BITS = (4, 8)
@@ -218,9 +219,10 @@ class BatchQuantizedKVCache(_BaseCache):  # type: ignore[misc]
         return self.keys is None
 
     def filter(self, batch_indices: Any) -> None:
+        rows = as_rows(batch_indices)
         if self.keys is not None and self.values is not None:
-            self.keys = tuple(p[batch_indices] for p in self.keys)  # type: ignore[assignment]
-            self.values = tuple(p[batch_indices] for p in self.values)  # type: ignore[assignment]
+            self.keys = tuple(keep_rows(p, rows) for p in self.keys)  # type: ignore[assignment]
+            self.values = tuple(keep_rows(p, rows) for p in self.values)  # type: ignore[assignment]
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
         shift = int(self.left_padding.min().item())  # type: ignore[arg-type]
