@@ -85,22 +85,30 @@ def test_a_prefills_buffers_leave_mlxs_cache(
     tiny: Loaded, length: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A chunk's activations are of a shape seldom seen again: kept in MLX's buffer
-    cache, they grew a CUDA device's memory until an allocation failed. Steps that
-    prefill outside the ``BatchGenerator`` leave at most ``KEEP_BYTES`` there (here
-    1 MB; 10 to 28 MB stayed before)."""
-    monkeypatch.setattr(_buffers, "KEEP_BYTES", 1 << 20)
-    pool = BlockPool(tiny.spec, total_blocks=400)
-    engine = BlockPoolBatchEngine(tiny.model, tiny.tokenizer, pool)
-    mx.clear_cache()
-    engine.submit("a", prompt(length, 1), max_tokens=2)
-    prefilled = 0
-    while engine.active:
-        engine.step()
-        assert engine.last_step is not None
-        prefilled += engine.last_step.prefill_tokens
-        assert mx.get_cache_memory() < 2 << 20  # the rest of the step may add a little
-    assert prefilled == length
-    engine.close()
+    cache, they grew a CUDA device's memory until an allocation failed. While an engine
+    runs, MLX keeps at most ``CACHE_BYTES`` there (here 1 MB; 10 to 28 MB stayed
+    without a limit); once the last engine closes, the limit is as it was."""
+    monkeypatch.setattr(_buffers, "CACHE_BYTES", 1 << 20)
+    before = mx.set_cache_limit(64 << 20)  # the limit outside engines, for this test
+    try:
+        pool = BlockPool(tiny.spec, total_blocks=400)
+        engine = BlockPoolBatchEngine(tiny.model, tiny.tokenizer, pool)
+        other = BlockPoolBatchEngine(tiny.model, tiny.tokenizer, pool)
+        engine.submit("a", prompt(length, 1), max_tokens=2)
+        prefilled = 0
+        while engine.active:
+            engine.step()
+            assert engine.last_step is not None
+            prefilled += engine.last_step.prefill_tokens
+            assert mx.get_cache_memory() <= 1 << 20
+        assert prefilled == length
+        engine.close()
+        engine.close()  # closing twice gives the limit back once
+        assert mx.set_cache_limit(1 << 20) == 1 << 20  # the other engine still runs
+        other.close()
+        assert mx.set_cache_limit(64 << 20) == 64 << 20
+    finally:
+        mx.set_cache_limit(before)
 
 
 def test_short_prefills_started_together_start_decoding_together(tiny: Loaded) -> None:

@@ -23,6 +23,7 @@ from ..kv._blocks import (
 from ..kv._pool import AgentBlocks, BlockPool
 from ..kv._prefix import PrefixIndex
 from ..kv._spec import ModelCacheSpec
+from . import _buffers
 from ._batch import Batch
 from ._intake import Intake
 from ._output import Output
@@ -202,6 +203,8 @@ class BlockPoolBatchEngine:
         self._steps = self._prefill_tokens = self._generated_tokens = 0
         self._max_decode_batch = 0
         self.last_step: StepInfo | None = None
+        _buffers.hold()  # MLX's buffer cache limited, until close()
+        self._holds_buffers = True
 
     # -- submitting -------------------------------------------------------------------
 
@@ -510,6 +513,9 @@ class BlockPoolBatchEngine:
         """Cancel everything in flight and release the generator."""
         self._reset()
         self.batch.close()
+        if self._holds_buffers:
+            self._holds_buffers = False
+            _buffers.release()
 
 
 def _vocab_size(model: Module, tokenizer: Any) -> int:

@@ -20,7 +20,6 @@ from ..kv._blocks import make_cache, to_cache
 from ..kv._pool import BlockPool, KVBlock, Reservation
 from ..kv._prefix import Source
 from ..kv._spec import BLOCK_SIZE, ModelCacheSpec
-from ._buffers import release_prefill_buffers
 
 
 @attrs.define(eq=False)
@@ -112,7 +111,6 @@ class PrefillJob:
         n = min(limit, self.next_stop() - self.pos)
         model(mx.array(self.tokens[self.pos : self.pos + n])[None], cache=self.cache)
         mx.eval([c.state for c in self.cache])
-        release_prefill_buffers()
         self.pos += n
         return n
 

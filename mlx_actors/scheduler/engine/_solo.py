@@ -24,7 +24,6 @@ from mlx_lm.models.cache import TokenBuffer
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..kv._pool import BlockPool
-from ._buffers import release_prefill_buffers
 from ._pacing import chunk as fit
 from ._records import LogitsProcessor, Sampler
 
@@ -97,7 +96,6 @@ class Solo:
             with mx.stream(self.stream):
                 self.model(mx.array(self.prompt[self.done : self.done + n])[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
-            release_prefill_buffers()
             self.done += n
         return n
 
