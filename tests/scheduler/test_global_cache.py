@@ -128,6 +128,23 @@ def test_filters_keeping_any_rows_match_mlx_lms() -> None:
         same(ours, theirs)
 
 
+def test_a_single_cache_merges_without_a_copy() -> None:
+    """A prefill job's cache joins the batch as a batch of one: it takes the cache's
+    arrays (no copy) and holds, and updates, what mlx-lm's merge of it holds."""
+    for length in (300, 256):  # room left in the cache's arrays; none
+        ours_single, theirs_single = filled(GlobalKVCache, length, 5), filled(KVCache, length, 5)
+        keys = ours_single.keys
+        ours = GlobalBatchKVCache.merge([ours_single])
+        theirs = KVCache.merge([theirs_single])
+        assert (ours.keys is keys) == (length % 256 != 0)
+        same(ours, theirs)
+        for step in range(300):
+            k, v = mx.random.normal((2, 1, HEADS, 1, DIM), key=mx.random.key(step))
+            a, b = ours.update_and_fetch(k, v), theirs.update_and_fetch(k, v)
+            assert all(mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True))
+        same(ours, theirs)
+
+
 def test_an_empty_merge_is_still_ours() -> None:
     batch = GlobalBatchKVCache.merge([GlobalKVCache(), GlobalKVCache()])
     assert isinstance(batch, GlobalBatchKVCache)

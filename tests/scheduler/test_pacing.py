@@ -89,6 +89,7 @@ def test_a_prefills_buffers_leave_mlxs_cache(
     runs, MLX keeps at most ``CACHE_BYTES`` there (here 1 MB; 10 to 28 MB stayed
     without a limit); once the last engine closes, the limit is as it was."""
     monkeypatch.setattr(_buffers, "CACHE_BYTES", 1 << 20)
+    monkeypatch.setattr(_buffers, "_holders", 0)  # engines of other tests left open
     before = mx.set_cache_limit(64 << 20)  # the limit outside engines, for this test
     try:
         pool = BlockPool(tiny.spec, total_blocks=400)

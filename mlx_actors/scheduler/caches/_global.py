@@ -147,11 +147,21 @@ class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
     def merge(cls, caches: Sequence[Any]) -> GlobalBatchKVCache:
         """The caches left-padded into one, as mlx-lm's ``merge``, with a block of room
         (mlx-lm's first update would grow it by copying). One layer's copy, evaluated:
-        the caches merged are spent (their arrays dropped, so freed as it goes)."""
+        the caches merged are spent (their arrays dropped, so freed as it goes). A
+        single cache with room for a token (a prefill job's, joining the batch) is
+        not copied: the batch of one takes its arrays."""
         lengths = [c.size() for c in caches]
         longest = max(lengths)
         if longest == 0:  # mlx-lm's would be a plain BatchKVCache
             return cls([0] * len(caches))
+        (alone,) = caches if len(caches) == 1 else (None,)
+        if alone is not None and alone.keys.shape[2] > alone.offset:  # room for a token
+            batch = cls([0])  # a batch of one: its arrays as they are, no copy
+            batch.keys, batch.values = alone.keys, alone.values
+            batch.offset += alone.offset
+            batch._idx = alone.offset
+            alone.keys = alone.values = None
+            return batch
         padding = [longest - n for n in lengths]
         first = next(c for c in caches if c.keys is not None)
         _, heads, _, key_dim = first.keys.shape
