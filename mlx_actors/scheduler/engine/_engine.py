@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-import mlx.core as mx
 from mlx.nn.layers.base import Module
 
 from ...errors import (
@@ -28,9 +27,7 @@ from ._batch import Batch
 from ._intake import Intake
 from ._output import Output
 from ._pacing import Pacing
-from ._pacing import chunk as fit
 from ._planner import Planner
-from ._prefill import PrefillJob
 from ._records import (
     Admission,
     CompletedGeneration,
@@ -42,6 +39,7 @@ from ._records import (
 )
 from ._sequence import EngineSequence, SequenceState
 from ._solo import KeptCaches, kept_for
+from ._starting import Starter
 
 _AUTO: Any = object()
 
@@ -177,8 +175,6 @@ class BlockPoolBatchEngine:
         self._intake = Intake(self.spec, pool, tokenizer, self.vocab_size)
         self._uids = itertools.count()
         self._sequences: dict[int, EngineSequence] = {}
-        #: Agents whose prompts ran in the step under way.
-        self._prefilled: list[str] = []
         self.output = Output(self.spec, pool, index, self._kept_caches, eos)
         self.batch = Batch(
             model,
@@ -200,6 +196,19 @@ class BlockPoolBatchEngine:
             ),
         )
         self._refused: list[tuple[int, MlxActorsError]] = []
+        self._starter = Starter(
+            model,
+            self.spec,
+            pool,
+            self.planner,
+            self.batch,
+            self.pacing,
+            prefill_batch_size=self.prefill_batch_size,
+            prefill_step_size=prefill_step_size,
+            long_prefill=long_prefill,
+            paged_batch=paged_batch,
+            refuse=self._refuse,
+        )
         self._steps = self._prefill_tokens = self._generated_tokens = 0
         self._max_decode_batch = 0
         self.last_step: StepInfo | None = None
@@ -306,10 +315,9 @@ class BlockPoolBatchEngine:
         started = time.perf_counter()
         joined = len(self.batch.running)
         self.output.decoded = 0
-        self._prefilled = []
         try:
-            self._start_pending()
-            jobs, prefill = self._run_jobs()
+            self._starter.start_pending()
+            jobs, prefill = self._starter.run_jobs()
             jobs_done = time.perf_counter()
             joined = len(self.batch.running) - joined
             work = self.batch.advance(max(self.pacing.floor, self.pacing.budget() - prefill))
@@ -323,7 +331,8 @@ class BlockPoolBatchEngine:
         for done in finished:
             del self._sequences[done.uid]
         prefill += work.prefill
-        self._prefilled.extend(work.prefilled)
+        # Agents whose prompts ran in the step: as prefill jobs, then in the batch.
+        prefilled = [*self._starter.prefilled, *work.prefilled]
         if finished:  # one evaluation (one wait for the device) for every finished cache
             evaluate([f.blocks for f in finished])
         self._steps += 1
@@ -340,100 +349,10 @@ class BlockPoolBatchEngine:
             jobs_seconds=jobs_done - started,
             joined=joined,
             batch_seconds=ended - jobs_done,
-            prefilled=tuple(dict.fromkeys(self._prefilled)),
+            prefilled=tuple(dict.fromkeys(prefilled)),
             decoded=tuple(decoded),
         )
         return finished
-
-    def _run_jobs(self) -> tuple[int, int]:
-        """A chunk of each prefill job, oldest first, while the step's budget lasts (as
-        many tokens as ``prefill_batch_size`` chunks): publish the checkpoints they reach
-        (the sequences that waited there start at once, as jobs or in the batch), hand
-        each finished job's sequence to the batch. Once a job of a gang ran, the rest of
-        its gang runs in the same step, whatever the budget. Returns the jobs run and the
-        tokens prefilled."""
-        # Chunks of ``prefill_step_size`` keep the decoding sequences' steps short; when
-        # nothing decodes, chunks as large as mlx-lm's own; all within the step's pace.
-        decoding = self.batch.busy
-        whole = self.prefill_step_size if decoding else max(self.prefill_step_size, 2048)
-        budget = min(whole * self.prefill_batch_size, self.pacing.budget())
-        chunk = min(whole, budget)
-        done = ran = at = 0
-        gangs: set[object] = set()  # gangs with a job run in this step: the rest run too
-        while at < len(self.planner.jobs):
-            job = self.planner.jobs[at]
-            if done >= budget and job.gang not in gangs:
-                at += 1  # over the budget, only the rest of a gang that ran goes on
-                continue
-            if job.owner is not None:
-                self._prefilled.append(job.owner.agent_id)
-            began = time.perf_counter()
-            with mx.stream(self.batch.stream):
-                if job.gang is not None:  # a chunk or less: all of it, beside its gang
-                    gangs.add(job.gang)
-                    limit = fit(whole, job.next_stop() - job.pos)
-                else:
-                    limit = fit(min(chunk, budget - done), job.next_stop() - job.pos)
-                n = job.run_chunk(self.model, self.spec, limit)
-            self.pacing.record(n, time.perf_counter() - began)
-            done += n
-            ran += 1
-            if job.stops_at(job.pos):
-                for seq, error in self.planner.publish(job, job.pos):
-                    self._refuse(seq, error)
-                self._start_pending()  # the waiters' own jobs can run in this step too
-            if job.orphaned:
-                self.planner.drop_job(job)
-            elif job.pos == job.end:
-                self._end_job(job)
-            else:
-                at += 1
-        return ran, done
-
-    def _end_job(self, job: PrefillJob) -> None:
-        self.planner.jobs.remove(job)
-        seq = job.owner
-        if seq is None:
-            job.release(self.pool)
-            return
-        seq.reservation, seq.held, seq.job = job.reservation, job.held, None
-        seq.anchors = (*seq.anchors, *job.published)
-        self.batch.insert(seq, job.cache, job.pos)
-
-    def _start_pending(self) -> None:
-        """Start the sequences planned since the last step. A long prefill runs as a job
-        (one sequence, unpadded, as mlx-lm's own prefill: a batch of prompts is padded
-        to its longest), as does one on a long cached history unless the batch reads
-        histories from the blocks (``paged_batch``: else ``BatchGenerator`` copies and
-        pads every cache in a batch of prompts); short prompts are prefilled together
-        in the batch. Jobs of a chunk or less started together form a gang: they run in
-        one step, so their turns start decoding together."""
-        pending, self.planner.pending = self.planner.pending, []
-        short: list[PrefillJob] = []
-        # One short prompt alone decodes outside the batch at once, from its agent's
-        # last cache if that is kept (no blocks to gather), whatever its history.
-        lone = len(pending) == 1 and not self.planner.jobs and not self.batch.busy
-        for seq in pending:
-            cached = seq.source.length
-            uncached = len(seq.tokens) - 1 - cached
-            if self.planner.lost(seq):
-                self.planner.make_job(seq)  # it keeps the sliding layers' state at seq.kept
-            elif lone and uncached < self.long_prefill:
-                self.batch.insert(seq, None)
-            elif uncached >= self.long_prefill or (
-                uncached > 0 and not self.paged_batch and cached >= self.long_prefill
-            ):
-                job = self.planner.make_job(seq)
-                if job.cache is None and cached:  # its agent's kept cache: no gather
-                    job.cache = self.batch.kept(seq, cached)
-                if job.next_stop() - job.pos <= self.prefill_step_size:
-                    short.append(job)
-            else:
-                self.batch.insert(seq, None)
-        if len(short) > 1:
-            gang = object()
-            for job in short:
-                job.gang = gang
 
     def _refuse(self, seq: EngineSequence, error: MlxActorsError) -> None:
         del self._sequences[seq.uid]

@@ -84,7 +84,7 @@ class Planner:
                 )
                 final = n + seq.budget
                 # The sliding layers' state where the turn's new tokens begin, if the
-                # prefill must compute it again (see the engine's _start_pending).
+                # prefill must compute it again (see Starter.start_pending).
                 lost = source.length < seq.kept and self.spec.sliding_layers
                 extra = checkpoint_blocks(self.spec, seq.kept) if lost else 0
                 extra += checkpoint_copies(self.spec, source.layers)
