@@ -301,8 +301,10 @@ class BlockPoolBatchEngine:
     def step(self) -> list[CompletedGeneration]:
         """Advance the batch by one step and return the sequences that finished.
 
-        A step runs one chunk of the oldest prefill job (if any), starts the sequences
-        that are ready, and runs one step of the ``BatchGenerator``.
+        A step starts the sequences that are ready, runs chunks of the prefill jobs
+        within the step's prompt-token budget (:class:`~._starting.Starter`), and runs
+        the batch's model work: one step of the ``BatchGenerator`` and the lone
+        sequence's prefill chunk or next token.
 
         Raises:
             EngineError: the model step failed. Every sequence in flight was dropped and

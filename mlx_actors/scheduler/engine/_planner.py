@@ -199,7 +199,7 @@ class Planner:
             job.cache = snapshot(seq.seed)  # its own cache objects, over the same views
         if self.lost(seq):
             # The sliding layers lost the history's end: the job stops there to keep
-            # their state (the turn's checkpoint, see the engine's _publish).
+            # their state (the turn's checkpoint, see :meth:`publish`).
             job.keep(seq.kept, seq)
         seq.reservation, seq.held, seq.seed = None, [], None
         seq.state, seq.job = SequenceState.JOB, job

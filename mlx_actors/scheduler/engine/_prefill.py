@@ -30,7 +30,7 @@ class PrefillJob:
     prompt, one sequence), outside the ``BatchGenerator``; the sequence joins the batch
     with its last prompt token once the job is done. Other sequences whose prompts
     share a prefix with it wait at a *checkpoint*: the job stops there, its cache is
-    cut into blocks (:meth:`BlockPoolBatchEngine._publish`), and they start from them.
+    cut into blocks (:meth:`~._planner.Planner.publish`), and they start from them.
     """
 
     namespace: Hashable
