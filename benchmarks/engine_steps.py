@@ -110,7 +110,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         timers.wrap(owner, name, label)
     model, tokenizer = mlx_lm.load(str(args.model or random_model(args.shape, args.dtype)))
     spec = ModelCacheSpec.from_model(model)
-    _compile_kernels(spec)
+    _compile_kernels(spec, model)
     rng = random.Random(0)
     histories = [rng.randint(*args.history) for _ in range(args.agents)]
     pool = BlockPool(spec, total_blocks=200_000)

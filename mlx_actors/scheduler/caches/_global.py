@@ -14,7 +14,9 @@ layer is copied: at most one layer's copy is held beside the cache. A finished
 sequence's cache is handed out as a view of its row (cutting blocks from it copies only
 what the blocks do not hold yet), copied only if the batch goes on without it. The
 values, the shapes and so the model's computation are mlx-lm's own. (A batch mlx-lm
-splits in two is not deep-copied first: each half copies only its own rows.)
+splits in two is not deep-copied first: each half copies only its own rows.) On a CUDA
+GPU a decode step's attention reads each row from its first position, with no padding mask
+(:mod:`._attention`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from ._attention import RowStarts
 from ._keep import as_rows, keep_rows
 
 
@@ -36,8 +39,9 @@ class GlobalKVCache(KVCache):  # type: ignore[misc]
         return GlobalBatchKVCache.merge(caches)
 
 
-class GlobalBatchKVCache(BatchKVCache):  # type: ignore[misc]
-    """mlx-lm's ``BatchKVCache``, each copy of its arrays evaluated when it is made."""
+class GlobalBatchKVCache(RowStarts, BatchKVCache):  # type: ignore[misc]
+    """mlx-lm's ``BatchKVCache``, each copy of its arrays evaluated when it is made; a
+    decode step attends from each row's first position (:class:`~._attention.RowStarts`)."""
 
     keys: mx.array | None
     values: mx.array | None

@@ -16,6 +16,7 @@ from ...errors import (
     InvalidRequestError,
     MlxActorsError,
 )
+from ..caches import _attention
 from ..kv._blocks import (
     evaluate,
 )
@@ -134,6 +135,7 @@ class BlockPoolBatchEngine:
         ):
             raise InvalidRequestError(f"step_seconds must be seconds > 0, got {step_seconds!r}")
         self.model = model
+        _attention.install(model)  # batch caches' decode attention (a CUDA kernel)
         self.tokenizer = tokenizer
         self.pool = pool
         self.spec = spec if spec is not None else pool.spec

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from ..caches import _gather, _quantize_kernels
+from ..caches import _attention, _gather, _quantize_kernels
 from ..caches._quantized import KVQuantization
 from ..engine._engine import BlockPoolBatchEngine
 from ..engine._solo import kept_for
@@ -59,7 +59,7 @@ def build_loop(
     spec = ModelCacheSpec.from_model(model, quantization=options.kv_quantization)
     began = time.perf_counter()
     if options.compile_kernels:
-        _compile_kernels(spec)
+        _compile_kernels(spec, model)
     kernels_ms = (time.perf_counter() - began) * 1000
     index = PrefixIndex(spec)  # told of every block the pool releases
     if options.pool_blocks is not None:
@@ -116,10 +116,11 @@ def build_loop(
     )
 
 
-def _compile_kernels(spec: ModelCacheSpec) -> None:
+def _compile_kernels(spec: ModelCacheSpec, model: Any) -> None:
     """Compile the custom kernels the caches of ``spec`` may launch (on a CUDA GPU;
     nothing elsewhere): MLX compiles each at its first launch in a process, which
     inside a step holds up every sequence for a second or two."""
+    _attention.compile_kernels(model, spec)
     done = set()
     for layer in spec.layers:
         q = layer.quantization
