@@ -113,6 +113,13 @@ def _serve_parser(commands: Any) -> None:
     pool.add_argument("--pool-bytes", type=_size, help="KV cache budget (a quarter of RAM)")
     pool.add_argument("--pool-blocks", type=int, help="KV cache budget in 256-token blocks")
     runtime.add_argument("--host-bytes", type=_size, help="evicted caches kept in memory")
+    runtime.add_argument(
+        "--eviction",
+        choices=["next-use", "lru"],
+        default="next-use",
+        help="which idle session's cache leaves the pool first: the one expected to be "
+        "asked furthest from now (next-use), or the least recently used (lru)",
+    )
     runtime.add_argument("--prefill-step-size", type=int, default=512)
     runtime.add_argument(
         "--admission-window",
@@ -174,6 +181,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "pool_bytes": args.pool_bytes,
         "pool_blocks": args.pool_blocks,
         "host_bytes": args.host_bytes,
+        "eviction": args.eviction,
         "prefill_step_size": args.prefill_step_size,
         "admission_window": args.admission_window,
         "kv_bits": args.kv_bits,

@@ -19,7 +19,7 @@ from typing_extensions import Unpack
 
 from ..actors import Agent, Message, Tool, TurnSettings, running_here
 from ..errors import InvalidRequestError, RuntimeClosedError
-from ..scheduler import KVQuantization, Scheduler
+from ..scheduler import EVICTION_POLICIES, KVQuantization, Scheduler
 from ._keeping import AgentKeeper
 from ._models import check_model, load_model
 from ._registry import Registry, check_spawn
@@ -101,12 +101,16 @@ class Runtime:
             it each is compiled at its first launch, holding up that step; MLX keeps
             no compiled copy of them between processes. ``mlx-actors serve`` turns it
             on. Nothing elsewhere.
+        eviction: which idle agent's cache leaves the pool when a turn needs room:
+            ``"next-use"`` (the default), the agent expected to be asked furthest from
+            now, judging by the order turns have started in (in a round robin, the
+            agent that spoke last); ``"lru"``, the least recently used.
 
-    When a turn needs more blocks than are free, the least recently used idle agents'
-    caches are written to disk and freed; an agent whose cache is on disk gets it back
-    before its next turn runs. A turn that still finds no room while other turns run
-    waits for them (within its timeout); only a turn nothing in flight could make room
-    for fails with :class:`PoolExhaustedError`.
+    When a turn needs more blocks than are free, idle agents' caches (chosen by
+    ``eviction``) are moved to host memory and disk and freed; an agent whose cache is
+    out gets it back before its next turn runs. A turn that still finds no room while
+    other turns run waits for them (within its timeout); only a turn nothing in flight
+    could make room for fails with :class:`PoolExhaustedError`.
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class Runtime:
         kv_group_size: int = 64,
         paged_batch: bool = False,
         compile_kernels: bool = False,
+        eviction: str = "next-use",
     ) -> None:
         for name, value in (
             ("max_batch_size", max_batch_size),
@@ -156,6 +161,10 @@ class Runtime:
             isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < 0
         ):
             raise InvalidRequestError(f"host_bytes must be an int >= 0, got {host_bytes!r}")
+        if eviction not in EVICTION_POLICIES:
+            raise InvalidRequestError(
+                f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}"
+            )
         check_model(model, dequantize=dequantize)  # a path that names nothing: now, not later
         self._kv = KVQuantization(kv_bits, kv_group_size) if kv_bits is not None else None
         self._model = model
@@ -178,6 +187,7 @@ class Runtime:
             kv_quantization=self._kv,
             paged_batch=bool(paged_batch),
             compile_kernels=bool(compile_kernels),
+            eviction=eviction,
         )
         self._registry = Registry(check_running=self._check_running, log=self.log)
         self._tg: TaskGroup | None = None

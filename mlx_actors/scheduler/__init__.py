@@ -43,6 +43,7 @@ from .kv._spec import LayerSpec as LayerSpec
 from .kv._spec import ModelCacheSpec as ModelCacheSpec
 from .residency._image import BlockEntry as BlockEntry
 from .residency._image import CacheImage as CacheImage
+from .residency._manager import EVICTION_POLICIES as EVICTION_POLICIES
 from .service._actor import Scheduler as Scheduler
 from .service._protocol import CacheStore as CacheStore
 from .service._protocol import SchedulerStatistics as SchedulerStatistics

@@ -77,8 +77,13 @@ async def test_evicted_caches_come_back_exactly(
         roomy = await converse(rt, names, range(3))
         assert (await rt.stats()).evictions == 0
     trace = tmp_path / "run.jsonl"
-    async with Runtime(
-        tiny_dir, pool_blocks=14, host_bytes=host_bytes, log_level="off", trace=trace
+    async with Runtime(  # LRU: in a round robin every later turn restores its cache
+        tiny_dir,
+        pool_blocks=14,
+        host_bytes=host_bytes,
+        log_level="off",
+        trace=trace,
+        eviction="lru",
     ) as rt:
         tight = await converse(rt, names, range(3))
         await rt.flush()  # the last evictions' files are written in the background

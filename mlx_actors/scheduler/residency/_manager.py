@@ -5,10 +5,11 @@ kept for a lone turn (the engine's :class:`KeptCaches`, which this manager forge
 it), or out of the pool (evicted: taken as a :class:`CacheImage`, kept in host memory
 by :class:`HostCaches` while the budget allows, and written to the store by the event
 loop). :class:`CacheManager` keeps one record per agent and is the only code that
-changes it: a turn's commit, hold and undo, a dropped result, a fork, a save's snapshot,
-choosing what to evict when the pool runs short (kept copies make way first), and
-making blocks again from an image (from host memory here, or read back from the store
-and handed in).
+changes it: a turn's start, commit, hold and undo, a dropped result, a fork, a save's
+snapshot, choosing what to evict when the pool runs short (kept copies make way first;
+then the idle agent expected to be asked furthest from now, :class:`NextUse`, or with
+``eviction="lru"`` the least recently used), and making blocks again from an image
+(from host memory here, or read back from the store and handed in).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from ..kv._pool import AgentBlocks, BlockPool, KVBlock
 from ..kv._prefix import PrefixIndex
 from ._host import HostCaches
 from ._image import CacheImage, make_blocks, stored_ids, take_image
+from ._next_use import NextUse
+
+#: How the cache manager chooses an idle agent to evict.
+EVICTION_POLICIES = ("next-use", "lru")
 
 
 @attrs.define(eq=False)
@@ -66,6 +71,7 @@ class CacheManager:
     ``on_evicted(agent, image)`` is called with each cache moved out of the pool (the
     caller writes it to the store). While ``host`` has a budget, evicted images carry
     every block's arrays and are kept there too, not only the blocks the store lacks.
+    ``eviction``: one of :data:`EVICTION_POLICIES`.
     """
 
     def __init__(
@@ -79,7 +85,10 @@ class CacheManager:
         on_evicted: Callable[[str, CacheImage], None],
         share_prefixes: bool,
         persistent_store: bool,
+        eviction: str = "next-use",
     ) -> None:
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
         self.pool = pool
         self._index = index
         self._kept = kept
@@ -92,6 +101,8 @@ class CacheManager:
         self.agents: dict[str, CacheEntry] = {}
         self.evictions = self.restores = 0
         self._serial = 0
+        self.eviction = eviction
+        self.next_use = NextUse()
 
     def entry(self, agent: str) -> CacheEntry:
         """The agent's record (a new, empty one if it has none)."""
@@ -111,6 +122,11 @@ class CacheManager:
         return any(e.busy for name, e in self.agents.items() if name != agent)
 
     # -- a turn's life -----------------------------------------------------------------------
+
+    def started(self, agent: str) -> None:
+        """A turn of the agent is in the engine (its cache stays until it is committed)."""
+        self.entry(agent).busy = True
+        self.next_use.started(agent)
 
     def commit(
         self, agent: str, blocks: AgentBlocks, *, hold: bool, saving: bool, snapshot: bool
@@ -158,6 +174,7 @@ class CacheManager:
         """The agent is gone (or starts over): free every copy of its cache."""
         self._kept.drop(agent)
         self.host.drop(agent)
+        self.next_use.forget(agent)
         entry = self.agents.pop(agent, None)
         if entry is not None:
             self._free(entry)
@@ -227,17 +244,17 @@ class CacheManager:
                     raise nothing_to_evict(exc) from None
 
     def _evict_one(self, exclude: str) -> bool:
-        """Move the least recently used idle agent's cache out of the pool, among those
-        whose cache holds a block nobody else does; failing that, among those holding a
-        block that only idle agents hold (a parent and its fork: evicting them all frees
-        it). Evicting any other frees nothing."""
+        """Move an idle agent's cache out of the pool (the first by :meth:`_priority`),
+        among those whose cache holds a block nobody else does; failing that, among
+        those holding a block that only idle agents hold (a parent and its fork:
+        evicting them all frees it). Evicting any other frees nothing."""
         idle = {
             name: entry
             for name, entry in self.agents.items()
             if entry.blocks is not None and not entry.busy_or_holding() and name != exclude
         }
         alone = [
-            (entry.last_used, name)
+            (self._priority(name, entry), name)
             for name, entry in idle.items()
             if entry.blocks is not None
             and any(self.pool.references(b) == 1 for b in entry.blocks.blocks())
@@ -256,6 +273,7 @@ class CacheManager:
         self._log.info(
             "blocks.evicted",
             agent=name,
+            why=self._why(name),
             blocks=blocks,
             bytes=image.nbytes,
             ms=round((time.perf_counter() - started) * 1e3, 2),
@@ -277,11 +295,24 @@ class CacheManager:
                 blocks[block.id] = block
         freed = {i for i, n in holders.items() if self.pool.references(blocks[i]) == n}
         candidates = [
-            (entry.last_used, name)
+            (self._priority(name, entry), name)
             for name, entry in idle.items()
             if entry.blocks is not None and any(b.id in freed for b in entry.blocks.blocks())
         ]
         return min(candidates)[1] if candidates else None
+
+    def _priority(self, name: str, entry: CacheEntry) -> tuple[float, float]:
+        """Eviction order (the least first): the agent expected furthest from now, then
+        the least recently used; with ``eviction="lru"``, the least recently used."""
+        if self.eviction == "lru":
+            return (0.0, entry.last_used)
+        return (-self.next_use.expected_in(name), entry.last_used)
+
+    def _why(self, name: str) -> str:
+        """Why ``name`` was chosen, for the trace."""
+        if self.eviction == "lru":
+            return "least recently used"
+        return f"next turn expected in {self.next_use.expected_in(name)} turns"
 
     def in_host(self, agent: str) -> CacheImage | None:
         """The agent's evicted cache, if host memory still holds it."""

@@ -85,7 +85,8 @@ class Scheduler:
     waits for them, as long as each comes within this long (at most ten times as long
     in all), so that turns asked together start in one batch. A lone turn starts at
     once; 0 turns the wait off. ``compile_kernels``: compile the custom CUDA kernels the
-    caches may launch at start (see :class:`~mlx_actors.Runtime`).
+    caches may launch at start; ``eviction``: how an idle cache is chosen to leave the
+    pool (see :class:`~mlx_actors.Runtime`).
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class Scheduler:
         kv_quantization: KVQuantization | None = None,
         paged_batch: bool = False,
         compile_kernels: bool = False,
+        eviction: str = "next-use",
         log: Any = None,
     ) -> None:
         self._load = load
@@ -117,6 +119,7 @@ class Scheduler:
             kv_quantization=kv_quantization,
             paged_batch=paged_batch,
             compile_kernels=compile_kernels,
+            eviction=eviction,
         )
         self._log = log if log is not None else structlog.get_logger(__name__)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()

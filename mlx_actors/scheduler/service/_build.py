@@ -42,6 +42,8 @@ class EngineOptions:
     paged_batch: bool = False
     #: Compile every custom CUDA kernel the caches may launch before the first turn.
     compile_kernels: bool = False
+    #: How an idle cache is chosen to leave the pool (``EVICTION_POLICIES``).
+    eviction: str = "next-use"
 
 
 def build_loop(
@@ -81,6 +83,7 @@ def build_loop(
         on_evicted=lambda agent, image: outbox.append(Evicted(agent, image)),
         share_prefixes=options.share_prefixes,
         persistent_store=persistent_store,
+        eviction=options.eviction,
     )
     engine = BlockPoolBatchEngine(
         model,

@@ -251,7 +251,7 @@ class EngineLoop:
             error = EngineError(f"the engine could not take the turn: {exc!r}")
             self.outbox.append(events.Failed(turn, error))
             return None
-        entry.busy = True
+        self.caches.started(turn.agent)
         turn.uid = uid
         self.turns[uid] = turn
         return None
