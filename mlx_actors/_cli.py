@@ -97,6 +97,13 @@ def _serve_parser(commands: Any) -> None:
         "--request-timeout", type=float, metavar="SECONDS", help="most seconds a turn may take"
     )
     http.add_argument(
+        "--tool-pin-seconds",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="keep a session's cache in the pool this long after a reply that calls tools (60)",
+    )
+    http.add_argument(
         "--max-body-bytes", type=_size, default=16 << 20, help="largest request body (16M)"
     )
     http.add_argument(
@@ -218,6 +225,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 request_timeout=args.request_timeout,
                 max_body_bytes=args.max_body_bytes,
                 max_tokens=args.max_tokens,
+                tool_pin_seconds=args.tool_pin_seconds,
             )
 
     try:

@@ -214,6 +214,30 @@ class Agent:
             on_disk=self._scheduler.on_disk(self.name),
         )
 
+    def pin(self, seconds: float = 300.0) -> None:
+        """Keep this agent's cache in the pool for ``seconds`` from now, as a hint that
+        it will be asked again soon (while a tool it called runs, say): when a turn
+        needs room, unpinned idle agents' caches leave first. A pinned cache still
+        leaves when nothing else can; pinning again sets a new time.
+
+        Raises:
+            InvalidRequestError: ``seconds`` is not a number of seconds > 0.
+            AgentClosedError: the agent is closed.
+        """
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not (0 < seconds < float("inf"))
+        ):
+            raise InvalidRequestError(f"seconds must be a number > 0, got {seconds!r}")
+        self._check_open()
+        self._scheduler.pin(self.name, float(seconds))
+
+    def unpin(self) -> None:
+        """End :meth:`pin`: the agent's cache leaves in its turn again."""
+        self._check_open()
+        self._scheduler.pin(self.name, None)
+
     async def ask(
         self,
         text: str,

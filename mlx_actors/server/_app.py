@@ -117,6 +117,7 @@ class Server:
         request_timeout: float | None,
         max_body_bytes: int,
         max_tokens: int,
+        tool_pin_seconds: float = 60.0,
     ) -> None:
         if runtime.tokenizer is None:
             raise InvalidRequestError(
@@ -132,6 +133,7 @@ class Server:
         self.created = int(time.time())
         self._key = api_key.encode() if api_key else None
         self._timeout = request_timeout
+        self._tool_pin = tool_pin_seconds
         self._max_body = max_body_bytes
         self._max_tokens = max_tokens
         self._log = runtime.log
@@ -192,6 +194,7 @@ class Server:
                         **chat.settings,
                     )
                     seen = shown(reply, self.form, chat)
+                    self._pin_for_tools(agent, seen)
                     self.metrics.replied(answer.api, reply, seen.finish_reason)
                     await writer.json(200, await answer.body(reply, seen))
         except anyio.get_cancelled_exc_class():
@@ -234,6 +237,7 @@ class Server:
                     await writer.write(answer.text(new))
             reply = pieces.reply
         seen = shown(reply, self.form, chat)
+        self._pin_for_tools(agent, seen)
         if not writer.started:
             await writer.start(200, "text/event-stream")
             await writer.write(answer.opening())
@@ -242,6 +246,12 @@ class Server:
         self.metrics.replied(answer.api, reply, seen.finish_reason)
         await writer.write(await answer.closing(reply, seen))
         await writer.end()
+
+    def _pin_for_tools(self, agent: Agent, seen: Shown) -> None:
+        """A reply that calls tools: its client runs them and comes back with the
+        results, so the session's cache stays in the pool meanwhile (for a while)."""
+        if seen.calls and self._tool_pin > 0:
+            agent.pin(self._tool_pin)
 
     # -- the rest ---------------------------------------------------------------------------
 
@@ -384,6 +394,7 @@ def create_app(
     request_timeout: float | None = None,
     max_body_bytes: int = 16 << 20,
     max_tokens: int = 2048,
+    tool_pin_seconds: float = 60.0,
 ) -> Starlette:
     """An ASGI app serving ``runtime`` (entered: inside ``async with Runtime()``) over
     OpenAI's Chat Completions and Anthropic's Messages APIs, each session an agent.
@@ -404,6 +415,9 @@ def create_app(
         request_timeout: seconds a turn may take, queueing included (``None``: no limit).
         max_body_bytes: the largest request body taken.
         max_tokens: the reply's length when a Chat Completions request does not say.
+        tool_pin_seconds: after a reply that calls tools, the session's cache is kept
+            in the pool this long while the client runs them (unpinned agents' caches
+            leave first; 0: no pin).
     """
     for name, value in (
         ("max_sessions", max_sessions),
@@ -412,6 +426,14 @@ def create_app(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise InvalidRequestError(f"{name} must be a positive int, got {value!r}")
+    if (
+        isinstance(tool_pin_seconds, bool)
+        or not isinstance(tool_pin_seconds, (int, float))
+        or not 0 <= tool_pin_seconds < float("inf")
+    ):
+        raise InvalidRequestError(
+            f"tool_pin_seconds must be seconds >= 0, got {tool_pin_seconds!r}"
+        )
     return Server(
         runtime,
         api_key=api_key,
@@ -421,4 +443,5 @@ def create_app(
         request_timeout=request_timeout,
         max_body_bytes=max_body_bytes,
         max_tokens=max_tokens,
+        tool_pin_seconds=float(tool_pin_seconds),
     ).app()

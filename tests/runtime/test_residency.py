@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mlx_actors import Runtime
-from mlx_actors.errors import InvalidRequestError
+from mlx_actors.errors import AgentClosedError, InvalidRequestError
 
 from .test_persistence import converse
 
@@ -43,3 +43,38 @@ async def test_a_round_robin_restores_fewer_caches_than_lru_with_the_same_replie
 async def test_an_unknown_eviction_policy_is_refused(tiny_dir: Path) -> None:
     with pytest.raises(InvalidRequestError, match="eviction must be one of"):
         Runtime(tiny_dir, eviction="fifo")
+
+
+async def test_a_pinned_agent_stays_while_others_can_leave(tiny_dir: Path, tmp_path: Path) -> None:
+    names = [f"agent{i}" for i in range(5)]
+    evicted: dict[float | None, list[str]] = {}
+    replies: dict[float | None, dict[object, object]] = {}
+    for seconds in (None, 3600.0, 1e-9):  # no pin, a pin, a pin that has run out
+        trace = tmp_path / f"{seconds}.jsonl"
+        async with Runtime(  # LRU: in a round robin agent0 would leave every round
+            tiny_dir, pool_blocks=14, log_level="off", trace=trace, eviction="lru"
+        ) as rt:
+            await rt.spawn("agent0", system="You are agent0.", max_tokens=12)
+            if seconds is not None:
+                rt.agent("agent0").pin(seconds)
+            answered = await converse(rt, names, range(3))
+            replies[seconds] = {k: r.tokens for k, r in answered.items()}
+        events = [json.loads(line) for line in trace.read_text().splitlines()]
+        evicted[seconds] = [e["agent"] for e in events if e["event"] == "blocks.evicted"]
+    assert replies[3600.0] == replies[None] == replies[1e-9]
+    assert "agent0" in evicted[None] and len(evicted[3600.0]) > 3
+    assert "agent0" not in evicted[3600.0]
+    assert evicted[1e-9] == evicted[None]  # an expired pin changes nothing
+
+
+async def test_pins_take_seconds_and_an_open_agent(tiny_dir: Path) -> None:
+    async with Runtime(tiny_dir, pool_blocks=14, log_level="off") as rt:
+        agent = await rt.spawn("a")
+        for bad in (0, -1.0, float("inf"), True, "5"):
+            with pytest.raises(InvalidRequestError, match="seconds must be"):
+                agent.pin(bad)  # type: ignore[arg-type]
+        agent.pin(5)
+        agent.unpin()
+        await agent.close()
+        with pytest.raises(AgentClosedError):
+            agent.pin()

@@ -105,14 +105,17 @@ async def test_an_edited_history_rewinds_to_where_it_parts(tiny: Loaded) -> None
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_tool_round_trip_equals_the_agents_own(tools_model: Loaded, stream: bool) -> None:
+async def test_a_tool_round_trip_equals_the_agents_own(
+    tools_model: Loaded, stream: bool, tmp_path: Path
+) -> None:
     question = "What is 2 + 3?"
     async with runtime(tools_model.path) as rt:
         inside = await rt.spawn("inside", tools=[add], max_tokens=120)
         own = await inside.ask(question, tool_choice="required")
     (ran,) = own.tool_calls
     assert ran.error is None
-    async with runtime(tools_model.path) as rt, serving(rt) as server:
+    trace = tmp_path / "trace.jsonl"
+    async with runtime(tools_model.path, trace=trace) as rt, serving(rt) as server:
         client = server.openai
         messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
         options: dict[str, Any] = dict(
@@ -164,6 +167,10 @@ async def test_a_tool_round_trip_equals_the_agents_own(tools_model: Loaded, stre
         assert usage is not None
         held = usage.prompt_tokens + usage.completion_tokens
         assert answer.usage.prompt_tokens_details.cached_tokens >= held - 1
+    # while the client ran the tool, the session's cache was pinned in the pool
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    pins = [e for e in events if e["event"] == "agent.pinned"]
+    assert [e["seconds"] for e in pins] == [60.0]
 
 
 async def test_response_format_replies_validate(tiny: Loaded) -> None:

@@ -50,6 +50,9 @@ class CacheEntry:
     #: Which blocks the agent may share (every agent's, unless sharing is off: then
     #: its own and its forks').
     namespace: object = None
+    #: Until when (``time.perf_counter()``) the agent is pinned: not evicted while
+    #: another idle agent can be.
+    pinned_until: float = 0.0
     #: A turn of several rounds (tool calls) is under way: the cache it started from
     #: (``kept``, ``None`` if there was none) waits for its end, and the agent is not
     #: evicted meanwhile.
@@ -122,6 +125,14 @@ class CacheManager:
         return any(e.busy for name, e in self.agents.items() if name != agent)
 
     # -- a turn's life -----------------------------------------------------------------------
+
+    def pin(self, agent: str, seconds: float | None) -> None:
+        """Keep the agent's cache in the pool for ``seconds`` from now (``None``: no
+        longer): it leaves only when no unpinned idle agent can."""
+        if agent in self.agents or seconds is not None:
+            entry = self.entry(agent)
+            entry.pinned_until = 0.0 if seconds is None else time.perf_counter() + seconds
+            self._log.debug("agent.pinned", agent=agent, seconds=seconds)
 
     def started(self, agent: str) -> None:
         """A turn of the agent is in the engine (its cache stays until it is committed)."""
@@ -301,15 +312,19 @@ class CacheManager:
         ]
         return min(candidates)[1] if candidates else None
 
-    def _priority(self, name: str, entry: CacheEntry) -> tuple[float, float]:
-        """Eviction order (the least first): the agent expected furthest from now, then
-        the least recently used; with ``eviction="lru"``, the least recently used."""
+    def _priority(self, name: str, entry: CacheEntry) -> tuple[bool, float, float]:
+        """Eviction order (the least first): unpinned agents before pinned ones; then
+        the agent expected furthest from now, then the least recently used (with
+        ``eviction="lru"``, the least recently used)."""
+        pinned = entry.pinned_until > time.perf_counter()
         if self.eviction == "lru":
-            return (0.0, entry.last_used)
-        return (-self.next_use.expected_in(name), entry.last_used)
+            return (pinned, 0.0, entry.last_used)
+        return (pinned, -self.next_use.expected_in(name), entry.last_used)
 
     def _why(self, name: str) -> str:
         """Why ``name`` was chosen, for the trace."""
+        if self.agents[name].pinned_until > time.perf_counter():
+            return "pinned, and no unpinned agent could leave"
         if self.eviction == "lru":
             return "least recently used"
         return f"next turn expected in {self.next_use.expected_in(name)} turns"

@@ -46,6 +46,7 @@ from ._protocol import (
     Cancel,
     Commit,
     Fork,
+    Pin,
     Query,
     Release,
     Save,
@@ -357,6 +358,11 @@ class Scheduler:
         """Free the agent's cache; with ``drop``, delete it from the store as well."""
         self._snapshots.pop(agent, None)
         await self._disk.forget(agent, drop=drop)
+
+    def pin(self, agent: str, seconds: float | None) -> None:
+        """Keep the agent's cache in the pool for ``seconds`` (``None``: unpin); see
+        :meth:`~mlx_actors.Agent.pin`."""
+        self._put(Pin(agent, seconds))
 
     def on_disk(self, agent: str) -> bool:
         """Whether the agent's cache is in the store rather than in the pool."""

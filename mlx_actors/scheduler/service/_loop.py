@@ -30,6 +30,7 @@ from ._protocol import (
     Commit,
     Forget,
     Fork,
+    Pin,
     Query,
     Release,
     Save,
@@ -166,6 +167,8 @@ class EngineLoop:
             self.caches.forget(command.agent)
         elif isinstance(command, Adopt):
             self.caches.adopt(command.agent, command.tokens)
+        elif isinstance(command, Pin):
+            self.caches.pin(command.agent, command.seconds)
         elif isinstance(command, Fork):
             self._fork(command)
         elif isinstance(command, Query):

@@ -186,6 +186,15 @@ class Forget:
 
 
 @attrs.frozen
+class Pin:
+    """Keep the agent's cache in the pool for ``seconds`` from now (``None``: no longer):
+    while others can leave, it is not evicted."""
+
+    agent: str
+    seconds: float | None
+
+
+@attrs.frozen
 class Adopt:
     """An agent brought back from a state directory: its cache is on disk."""
 
