@@ -176,8 +176,12 @@ def test_agents_decoding_together_hold_their_histories_about_once(eight_layers: 
         gc.collect()
         mx.clear_cache()
         base = mx.get_active_memory()
-        async with Runtime(
-            eight_layers, log_level="off", pool_bytes=64 << 20, paged_batch=paged
+        async with Runtime(  # the four turns start as one batch, on a loaded machine too
+            eight_layers,
+            log_level="off",
+            pool_bytes=64 << 20,
+            paged_batch=paged,
+            admission_window=1.0,
         ) as rt:
             gc.collect()
             weights = mx.get_active_memory() - base
