@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -63,6 +64,9 @@ async def serving(rt: Runtime, *, key: str = "none", **options: Any) -> AsyncIte
             ):
                 yield Served(url, openai_client, anthropic_client)
         finally:
+            # An SDK client collected later would schedule its close on whatever event
+            # loop runs then (another test's), where its connections' loop is closed.
+            gc.collect()
             tg.cancel_scope.cancel()
 
 
