@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Awaitable, Callable
@@ -63,9 +64,12 @@ def run(main: Callable[..., Awaitable[T]], *args: Any, backend: str = "asyncio")
 async def _interruptible(main: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
     """``main(*args)``, with the event loop's Ctrl-C handling wrapped (see :func:`run`)."""
     previous = _watch_interrupts()
+    unwake = _wake_on_signals() if previous is not None else None
     try:
         return await main(*args)
     finally:
+        if unwake is not None:
+            unwake()
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
 
@@ -95,6 +99,49 @@ def _watch_interrupts() -> Any:
 
     signal.signal(signal.SIGINT, handler)
     return previous
+
+
+def _wake_on_signals() -> Callable[[], None] | None:
+    """Make a signal wake an asyncio loop that sleeps, as trio's own wake-up does.
+
+    Python runs a signal's handler on the main thread between bytecodes. When the
+    kernel hands the signal to another thread (the engine's, MLX's), or just before the
+    loop's ``epoll_wait``, nothing interrupts the wait, and the handler waits with it: a
+    Ctrl-C went unanswered for as long as the loop slept. A wake-up fd (the one
+    ``loop.add_signal_handler`` would set) makes the loop's selector return at once.
+    Returns what undoes it (``None``: not asyncio, or a wake-up fd is already set).
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None  # trio: it sets its own wake-up fd
+    read, write = socket.socketpair()
+    read.setblocking(False)
+    write.setblocking(False)
+    previous = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+    if previous != -1:  # someone else's, who reads it: leave it to them
+        signal.set_wakeup_fd(previous)
+        read.close()
+        write.close()
+        return None
+    loop.add_reader(read.fileno(), _drain, read)
+
+    def undo() -> None:
+        loop.remove_reader(read.fileno())
+        signal.set_wakeup_fd(-1)
+        read.close()
+        write.close()
+
+    return undo
+
+
+def _drain(read: socket.socket) -> None:
+    """Read the signal numbers the wake-up fd received (the handlers run on their own)."""
+    try:
+        while read.recv(4096):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
 
 
 def _loop_running() -> bool:

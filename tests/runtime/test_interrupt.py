@@ -152,3 +152,48 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(
             assert rt.agent("ann").history == ()
 
     anyio.run(check)
+
+
+#: A script that is sent both of its Ctrl-Cs on another thread (``pthread_kill``) while its
+#: main thread sleeps in the event loop: the signal's handler runs on the main thread
+#: only once the loop wakes, so the loop must be woken by the signal itself.
+OFF_THREAD = CTRL_C + textwrap.dedent(
+    """
+    import signal
+    import sys
+    import threading
+    import anyio
+    from mlx_actors import run
+
+    async def ctrl_c_while_asleep():
+        asleep = threading.Event()
+
+        def send():
+            asleep.wait()
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+        threading.Thread(target=send, daemon=True).start()
+        asleep.set()
+        await anyio.sleep(600)
+
+    async def main():
+        try:
+            await ctrl_c_while_asleep()
+        finally:
+            with anyio.CancelScope(shield=True):
+                print("cleaning up", flush=True)
+                await ctrl_c_while_asleep()
+
+    run(main, backend=sys.argv[1])
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_ctrl_c_received_by_another_thread_wakes_the_loop(backend: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", OFF_THREAD, backend], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stdout == "cleaning up\n"
+    assert proc.stderr == f"{STOPPING}\ninterrupted\n"
