@@ -112,22 +112,38 @@ def test_a_prefills_buffers_leave_mlxs_cache(
         mx.set_cache_limit(before)
 
 
-def test_short_prefills_started_together_start_decoding_together(tiny: Loaded) -> None:
+@pytest.mark.parametrize("long_prefill", [32, 64])
+def test_short_prefills_started_together_start_decoding_together(
+    tiny: Loaded, long_prefill: int
+) -> None:
+    """Four agents with cached histories of different lengths ask a question of 40 to 61
+    tokens at once. From ``long_prefill`` new tokens each is a prefill job (one model call
+    each), else the four are one batch of prompts (one model call for all, their caches
+    padded to the longest); either way their first tokens come out of one step, and each
+    reply is mlx-lm's own on its agent's conversation."""
     pool = BlockPool(tiny.spec, total_blocks=400)
-    # Every step's budget is the floor (16 tokens), less than any of these prompts: paced
-    # alone, each prefill would take steps of its own, and its turn start in its own step.
+    jobs_run = long_prefill == 32
+    # Jobs: every step's budget is the floor (16 tokens), less than any of these prompts:
+    # paced alone, each prefill would take steps of its own, but a gang runs in one step.
+    # A batch of prompts runs whole when the step's budget holds them all.
     engine = BlockPoolBatchEngine(
-        tiny.model, tiny.tokenizer, pool, step_seconds=1e-9, long_prefill=64
+        tiny.model,
+        tiny.tokenizer,
+        pool,
+        step_seconds=1e-9 if jobs_run else 60.0,
+        long_prefill=long_prefill,
     )
     eos = tiny.tokenizer.eos_token_ids
     chats = [ReferenceChat(tiny.model, eos) for _ in range(4)]
     histories = []
     for i, chat in enumerate(chats):  # each agent's first turn, alone
-        first = prompt(200, 30 + i)
+        first = prompt(200 + 37 * i, 30 + i)
         uid = engine.submit(f"a{i}", first, max_tokens=8)
         result = run_to_completion(engine)[uid]
         assert list(result.tokens) == chat.turn(first, 8)
         histories.append(result.blocks)
+    if not jobs_run:
+        engine.pacing.tokens = 4096  # as measured on a fast machine
     steps = 0
     first_token_at: dict[int, int] = {}
     questions = [prompt(40 + 7 * i, 40 + i) for i in range(4)]
@@ -142,16 +158,18 @@ def test_short_prefills_started_together_start_decoding_together(tiny: Loaded) -
         for i, question in enumerate(questions)
     ]
     done = {}
-    jobs = []
+    jobs, prefills = [], []
     while engine.active:
         steps += 1
         for r in engine.step():
             done[r.uid] = r
         assert engine.last_step is not None
         jobs.append(engine.last_step.jobs)
-    # Each a prefill job on its cached history, all four in one step: their first tokens
-    # come out of one step.
-    assert max(jobs) == 4
+        prefills.append(engine.last_step.prefill_tokens)
+    # All four in one step (as jobs, or as one batch of prompts): their first tokens come
+    # out of one step.
+    assert max(jobs) == (4 if jobs_run else 0)
+    assert max(prefills) >= sum(len(q) - 1 for q in questions)
     assert len({first_token_at[uid] for uid in uids}) == 1
     for i, uid in enumerate(uids):
         history = [*histories[i].tokens, *questions[i]]

@@ -163,7 +163,7 @@ class Batch:
         """Insert ``seq`` into the ``BatchGenerator`` with ``prompt`` on ``cache``; a
         ``generated`` prompt (the token a lone sequence sampled) is not counted as
         prefilled."""
-        seq.prompting = len(prompt) > 1
+        seq.prompting, seq.prompt = len(prompt) > 1, len(prompt)
         seq.prefilled = len(prompt) if generated else 0
         if cache is None:
             cache = make_cache(self.spec)
@@ -208,9 +208,13 @@ class Batch:
         sequence's prefill chunk or next token."""
         work = Advance(time.perf_counter(), [], [], None, 0, [])
         if self.running:
-            prompting = sum(1 for seq in self.running.values() if seq.prompting)
-            if prompting:
-                share = max(1, budget // prompting)
+            left = [s.prompt - 1 - s.prefilled for s in self.running.values() if s.prompting]
+            if left and max(left) <= self._prefill_step_size and sum(left) <= budget:
+                # All of them fit: whole, so that turns started together start decoding
+                # together.
+                self._generator.prefill_step_size = self._prefill_step_size
+            elif left:
+                share = max(1, budget // len(left))
                 share = 1 << (share.bit_length() - 1)  # few distinct shapes (see Pacing)
                 self._generator.prefill_step_size = min(self._prefill_step_size, share)
             work.prompts, work.responses = self._generator.next()

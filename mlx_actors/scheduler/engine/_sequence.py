@@ -70,6 +70,8 @@ class EngineSequence:
     gen_uid: int | None = None
     generated: list[int] = attrs.Factory(list)
     prefilled: int = 0
+    #: Tokens of its prompt in the batch (its last one included).
+    prompt: int = 0
     #: In the batch with prompt tokens left to prefill.
     prompting: bool = False
     first_token: float | None = None

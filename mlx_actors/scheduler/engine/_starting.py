@@ -86,12 +86,15 @@ class Starter:
         # One short prompt alone decodes outside the batch at once, from its agent's
         # last cache if that is kept (no blocks to gather), whatever its history.
         lone = len(pending) == 1 and not self.planner.jobs and not self.batch.busy
+        # Short prompts started together run as one batch of prompts, whatever their
+        # histories: one model call for all of them, not one each.
+        together = sum(self._short(seq) for seq in pending) > 1
         for seq in pending:
             cached = seq.source.length
             uncached = len(seq.tokens) - 1 - cached
             if self.planner.lost(seq):
                 self.planner.make_job(seq)  # it keeps the sliding layers' state at seq.kept
-            elif lone and uncached < self.long_prefill:
+            elif (lone and uncached < self.long_prefill) or (together and self._short(seq)):
                 self.batch.insert(seq, None)
             elif uncached >= self.long_prefill or (
                 uncached > 0 and not self.paged_batch and cached >= self.long_prefill
@@ -107,6 +110,16 @@ class Starter:
             gang = object()
             for job in short:
                 job.gang = gang
+
+    def _short(self, seq: EngineSequence) -> bool:
+        """Whether ``seq``'s prompt is short: under ``long_prefill`` new tokens, and no
+        more than one step's chunk (``prefill_step_size``)."""
+        uncached = len(seq.tokens) - 1 - seq.source.length
+        return (
+            not self.planner.lost(seq)
+            and uncached < self.long_prefill
+            and uncached <= self.prefill_step_size
+        )
 
     def run_jobs(self) -> tuple[int, int]:
         """A chunk of each prefill job, oldest first, while the step's budget lasts (as
