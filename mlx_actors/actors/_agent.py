@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import anyio
@@ -13,12 +13,12 @@ from anyio.abc import TaskStatus
 from typing_extensions import Unpack
 
 from ..errors import AgentClosedError, InvalidRequestError, MlxActorsError
-from ..scheduler import Scheduler, schema_grammar
-from ._conversation import check_conversation
-from ._envelope import Envelope, running
+from ..scheduler import Scheduler
+from ._envelope import Envelope
 from ._mailbox import Mailbox
 from ._reply import Message, Reply, TurnStream
-from ._settings import TurnOptions, TurnSettings, check_name, check_text, check_timeout
+from ._requests import Requests
+from ._settings import TurnOptions, TurnSettings, check_name
 from ._tools import Tool, as_tools, check_tool_choice
 from ._transaction import AgentState
 from ._turn import TurnRunner
@@ -158,6 +158,7 @@ class Agent:
             deliver=self._state.deliver,
             on_stopped=functools.partial(on_stopped, self),
         )
+        self._requests = Requests(self, scheduler, self._mailbox, self._state)
         self._close_done: anyio.Event | None = None
 
     def __repr__(self) -> str:
@@ -199,7 +200,7 @@ class Agent:
         state directory has its tools' descriptions, not their functions: give them
         again). The conversation is rendered with the new tools, so a turn after a
         change that alters their descriptions prefills the conversation again."""
-        self._check_loop()
+        self._requests.check_loop()
         made = as_tools(tools)
         check_tool_choice(self.options.tool_choice, made)
         self._state.tools = made
@@ -230,12 +231,12 @@ class Agent:
             or not (0 < seconds < float("inf"))
         ):
             raise InvalidRequestError(f"seconds must be a number > 0, got {seconds!r}")
-        self._check_open()
+        self._requests.check_open()
         self._scheduler.pin(self.name, float(seconds))
 
     def unpin(self) -> None:
         """End :meth:`pin`: the agent's cache leaves in its turn again."""
-        self._check_open()
+        self._requests.check_open()
         self._scheduler.pin(self.name, None)
 
     async def ask(
@@ -272,7 +273,7 @@ class Agent:
             ReplyFormatError: with ``schema``, the reply was cut (by ``max_tokens`` or
                 a stop string) before its value was complete (the turn was undone).
         """
-        envelope = self._envelope(text, timeout, settings, schema=schema)
+        envelope = self._requests.envelope(text, timeout, settings, schema=schema)
         await envelope.send()
         reply = await envelope.outcome()
         assert reply is not None
@@ -293,7 +294,7 @@ class Agent:
                 print(piece, end="")
         reply = pieces.reply
         """
-        envelope = self._envelope(text, timeout, settings, schema=schema)
+        envelope = self._requests.envelope(text, timeout, settings, schema=schema)
         envelope.push, envelope.pieces = anyio.create_memory_object_stream[str](math.inf)
         return TurnStream(envelope)
 
@@ -333,7 +334,9 @@ class Agent:
             AgentClosedError, RuntimeClosedError, PoolExhaustedError, StateWriteError:
                 as for :meth:`ask`.
         """
-        envelope = self._respond_envelope(conversation, system, tools, timeout, settings, schema)
+        envelope = self._requests.respond_envelope(
+            conversation, system, tools, timeout, settings, schema
+        )
         await envelope.send()
         reply = await envelope.outcome()
         assert reply is not None
@@ -351,7 +354,9 @@ class Agent:
     ) -> TurnStream:
         """Like :meth:`respond`, but gives the reply's text as it is generated (see
         :meth:`stream`). The pieces are what the model writes, calls included."""
-        envelope = self._respond_envelope(conversation, system, tools, timeout, settings, schema)
+        envelope = self._requests.respond_envelope(
+            conversation, system, tools, timeout, settings, schema
+        )
         envelope.push, envelope.pieces = anyio.create_memory_object_stream[str](math.inf)
         return TurnStream(envelope)
 
@@ -371,7 +376,7 @@ class Agent:
         """
         if role not in ("user", "assistant"):
             raise InvalidRequestError(f"role must be 'user' or 'assistant', got {role!r}")
-        envelope = self._envelope(text, None, {}, kind="tell")
+        envelope = self._requests.envelope(text, None, {}, kind="tell")
         envelope.message = Message(role=role, content=envelope.text)
         await envelope.send()
         await envelope.outcome()
@@ -380,7 +385,7 @@ class Agent:
         """Forget the conversation (the system prompt stays) and free the cache, after
         the turns already in the mailbox. Cancelling the caller withdraws a reset still
         waiting there; one the agent has begun completes."""
-        self._check_loop()
+        self._requests.check_loop()
         envelope = Envelope(agent=self, kind="reset")
         await envelope.send()
         await envelope.outcome()
@@ -414,7 +419,7 @@ class Agent:
             isinstance(mailbox_size, bool) or not isinstance(mailbox_size, int) or mailbox_size <= 0
         ):
             raise InvalidRequestError(f"mailbox_size must be a positive int, got {mailbox_size!r}")
-        envelope = self._envelope(name, timeout, settings, kind="fork")
+        envelope = self._requests.envelope(name, timeout, settings, kind="fork")
         envelope.mailbox_size = mailbox_size
         await envelope.send()
         await envelope.outcome()
@@ -425,7 +430,7 @@ class Agent:
         """Stop and forget the agent: the running turn is cancelled, queued ones fail
         with :class:`AgentClosedError`, its cache blocks go back to the pool, and what a
         state directory kept of it is deleted."""
-        self._check_outside()
+        self._requests.check_outside()
         if self._close_done is not None:  # closed, or being closed, by another call
             with anyio.CancelScope(shield=True):
                 await self._close_done.wait()
@@ -447,91 +452,8 @@ class Agent:
 
     # -- inside the agent -----------------------------------------------------------------
 
-    def _envelope(
-        self,
-        text: object,
-        timeout: float | None,
-        settings: Mapping[str, Any],
-        kind: Literal["ask", "fork", "tell"] = "ask",
-        schema: Any = None,
-    ) -> Envelope:
-        self._check_open()
-        text = check_text("text", text, self._scheduler.max_text_chars)
-        options = self.options.override(**settings)
-        if kind in ("ask", "fork"):
-            check_tool_choice(options.tool_choice, self._state.tools)
-        return Envelope(
-            agent=self,
-            kind=kind,
-            text=text,
-            options=options,
-            timeout=check_timeout(timeout),
-            schema=schema,
-            grammar=schema_grammar(schema) if schema is not None else None,
-        )
-
-    def _respond_envelope(
-        self,
-        conversation: Sequence[Message],
-        system: str | None,
-        tools: Sequence[Tool],
-        timeout: float | None,
-        settings: Mapping[str, Any],
-        schema: Any,
-    ) -> Envelope:
-        self._check_open()
-        limit = self._scheduler.max_text_chars
-        given = check_conversation(conversation, limit)
-        if system is not None and system != "":
-            check_text("system", system, limit)
-        made = as_tools(tools)
-        options = self.options.override(**settings)
-        check_tool_choice(options.tool_choice, made)
-        return Envelope(
-            agent=self,
-            kind="respond",
-            conversation=given,
-            system=system or None,
-            tools=made,
-            options=options,
-            timeout=check_timeout(timeout),
-            schema=schema,
-            grammar=schema_grammar(schema) if schema is not None else None,
-        )
-
-    def _check_open(self) -> None:
-        if self._mailbox.closing is not None:
-            raise self._closed_error()
-        self._check_loop()
-
-    def _check_loop(self) -> None:
-        """Refuse a call from another event loop than the runtime's: its wake-ups would
-        never reach the caller's loop."""
-        try:
-            here = anyio.lowlevel.current_token()
-        except Exception:
-            here = None
-        if here != self._scheduler.token:
-            raise InvalidRequestError(
-                f"agent {self.name!r} was called from another event loop (or thread) than "
-                "its Runtime's; call it from the runtime's loop, for instance with "
-                "anyio.from_thread.run(agent.ask, text, token=...) from a worker thread"
-            )
-
     def _check_outside(self) -> tuple[Envelope, ...]:
-        """The requests still running that this call comes from (by a tool); refused
-        if one of them is this agent's: it takes one request at a time, so it would
-        wait for itself."""
-        senders = running()
-        agents = [e.agent for e in senders]
-        if self in agents:
-            via = " -> ".join(repr(a.name) for a in (*agents[agents.index(self) :], self))
-            raise InvalidRequestError(
-                f"agent {self.name!r} was sent a request (or closed) from inside its own "
-                f"turn, by a tool ({via}): an agent takes one request at a time, so it "
-                "would wait for itself; ask another agent, or do it after the turn"
-            )
-        return senders
+        return self._requests.check_outside()
 
     def _closed_error(self) -> MlxActorsError:
         """The error of a request that comes after the agent stopped."""
