@@ -30,6 +30,7 @@ from mlx_actors.errors import (
 from mlx_actors.runtime import _disk, _store
 from mlx_actors.scheduler import BlockEntry, CacheImage, Scheduler
 from mlx_actors.scheduler.residency import CacheManager
+from mlx_actors.scheduler.service._deliveries import Deliveries
 from mlx_actors.testing import tiny_config, write_random_model
 
 from ..actors.test_agents import FaultyRuntime, long_question
@@ -481,18 +482,18 @@ async def test_an_ask_crosses_the_thread_boundary_four_or_five_times(
     # (and, with a state directory, takes the snapshot the save writes, which comes
     # back), and the commit once the caller has the reply.
     crossings: list[str] = []
-    put, deliver = Scheduler._put, Scheduler._deliver_one
+    put, deliver = Scheduler._put, Deliveries._one
 
     def counted_put(self: Scheduler, command: object) -> None:
         crossings.append(type(command).__name__)
         put(self, command)
 
-    def counted_deliver(self: Scheduler, event: Any) -> None:
+    def counted_deliver(self: Deliveries, event: Any) -> None:
         crossings.append(type(event).__name__)
         deliver(self, event)
 
     monkeypatch.setattr(Scheduler, "_put", counted_put)
-    monkeypatch.setattr(Scheduler, "_deliver_one", counted_deliver)
+    monkeypatch.setattr(Deliveries, "_one", counted_deliver)
     where = {"state_dir": tmp_path / "state"} if state else {}
     async with Runtime(tiny_dir, pool_blocks=100, log_level="off", **where) as rt:
         ann = await rt.spawn("ann", max_tokens=4)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import traceback
@@ -10,34 +9,19 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-import attrs
 import mlx.core as mx
 import structlog
 from anyio.lowlevel import EventLoopToken
 
-from ...errors import CorruptStateError, MlxActorsError, RuntimeClosedError
+from ...errors import MlxActorsError, RuntimeClosedError
 from ..caches._quantized import KVQuantization
 from ..engine._records import CompletedGeneration
 from ..kv._pool import AgentBlocks
 from ..kv._spec import ModelCacheSpec
 from ..residency._image import CacheImage
 from ._build import EngineOptions, build_loop, max_text_chars
+from ._deliveries import Deliveries
 from ._disk import DiskWork
-from ._events import (
-    Cancelled,
-    Event,
-    Evicted,
-    Failed,
-    Finished,
-    Forked,
-    NeedsRestore,
-    Printed,
-    Restored,
-    RestoreFailed,
-    SaveReady,
-    Snapshot,
-    Statistics,
-)
 from ._loop import EngineLoop, Outbox
 from ._protocol import (
     SHUTDOWN,
@@ -57,15 +41,6 @@ from ._protocol import (
 )
 
 Loader = Callable[[], tuple[Any, Any]]
-
-
-@attrs.define
-class _Snapshot:
-    """A snapshot of an agent's cache taken with its commit, for its save; ``image``
-    is set when it comes back (``None``: nothing to write)."""
-
-    ready: anyio.Event = attrs.Factory(anyio.Event)
-    image: CacheImage | None = None
 
 
 class Scheduler:
@@ -128,14 +103,9 @@ class Scheduler:
         self._stopped = False
         self._started = anyio.Event()
         self._startup_error: BaseException | None = None
-        self._final: SchedulerStatistics | None = None
         self._token: EventLoopToken | None = None
         self._disk = DiskWork(store, self._put, log=self._log)
-        #: Snapshots taken with a commit, waiting for the agent's save, by agent; and
-        #: every one the engine thread has not answered yet, by number.
-        self._snapshots: dict[str, _Snapshot] = {}
-        self._unanswered: dict[int, _Snapshot] = {}
-        self._numbers = itertools.count(1)
+        self._deliveries = Deliveries(self._disk, log=self._log)
         #: Turns asked whose agents have not yet sent them (read by the engine thread;
         #: changed only on the event loop).
         self._coming = 0
@@ -289,18 +259,14 @@ class Scheduler:
         :class:`~._protocol.Commit`). With ``snapshot`` the engine thread copies what
         the store lacks of the cache as it commits it, for the agent's next
         :meth:`save` (which then asks the engine thread nothing)."""
-        number = 0
-        self._snapshots.pop(agent, None)  # one that no save took is stale now
-        if snapshot:
-            number = next(self._numbers)
-            self._snapshots[agent] = self._unanswered[number] = _Snapshot()
+        number = self._deliveries.expect_snapshot(agent, snapshot)
         stored = self._disk.take_stored(agent)
         self._put(Commit(agent, blocks, hold, saving, number, stored))
 
     def undo(self, agent: str) -> None:
         """After commits with ``hold``: the agent's cache is again the one the turn
         started from; the rounds' blocks are freed."""
-        self._snapshots.pop(agent, None)
+        self._deliveries.take_snapshot(agent)
         self._put(Undo(agent))
 
     def release(self, agent: str, blocks: AgentBlocks) -> None:
@@ -315,7 +281,7 @@ class Scheduler:
     async def save(self, agent: str) -> None:
         """Write the agent's cache to the store (only blocks not written before); raise
         what stopped the write."""
-        taken = self._snapshots.pop(agent, None)
+        taken = self._deliveries.take_snapshot(agent)
         if taken is not None:  # taken with the commit: write it after earlier disk work
             await taken.ready.wait()
             if taken.image is not None:
@@ -356,7 +322,7 @@ class Scheduler:
 
     async def forget(self, agent: str, *, drop: bool) -> None:
         """Free the agent's cache; with ``drop``, delete it from the store as well."""
-        self._snapshots.pop(agent, None)
+        self._deliveries.take_snapshot(agent)
         await self._disk.forget(agent, drop=drop)
 
     def pin(self, agent: str, seconds: float | None) -> None:
@@ -370,8 +336,8 @@ class Scheduler:
 
     async def statistics(self) -> SchedulerStatistics:
         """A consistent snapshot, taken on the engine thread after every earlier command."""
-        if self._final is not None:
-            return self._final
+        if self._deliveries.final is not None:
+            return self._deliveries.final
         answer: list[SchedulerStatistics] = []
         ready = anyio.Event()
 
@@ -387,94 +353,14 @@ class Scheduler:
         """Wait until every disk operation asked for so far is done."""
         await self._disk.idle()
 
-    # -- deliveries --------------------------------------------------------------------------
+    # -- commands --------------------------------------------------------------------------
 
     def _put(self, command: object) -> None:
         with self._lock:
             if not self._stopped:
                 self._commands.put(command)
                 return
-        self._refuse(command)
-
-    def _refuse(self, command: object) -> None:
-        """Answer a command the stopped engine thread will never see."""
-        if isinstance(command, Submit):
-            self._fail(command.turn, RuntimeClosedError("the runtime has shut down"))
-        elif isinstance(command, Cancel):
-            command.turn.cancelled.set()
-        elif isinstance(command, Query) and self._final is not None:
-            command.reply(self._final)
-        elif isinstance(command, (Save, Fork)):
-            command.reply(None)
-        elif isinstance(command, Commit) and command.snapshot:
-            self._snapshot_taken(command.snapshot, None)
-
-    def _fail(self, turn: Turn, error: BaseException) -> None:
-        if not turn.settled.is_set():
-            turn.error = error
-            turn.settled.set()
-        turn.cancelled.set()
-
-    def _deliver(self, events: Outbox) -> None:
-        """Runs on the event loop: hand one step's events to their turns, in order."""
-        for event in events:
-            try:
-                self._deliver_one(event)
-            except Exception as exc:  # one broken reply must not stop the others
-                self._log.error(
-                    "scheduler.delivery_failed", kind=type(event).__name__, error=repr(exc)
-                )
-
-    def _deliver_one(self, event: Event) -> None:
-        match event:
-            case Printed(turn, text):
-                if turn.on_text is not None and not turn.settled.is_set():
-                    turn.on_text(text)
-            case Finished(turn, result):
-                turn.result = result
-                turn.settled.set()
-            case Failed(turn, error):
-                self._fail(turn, error)
-            case Cancelled(turn):
-                turn.cancelled.set()
-            case NeedsRestore(turn):
-                turn.needs_restore = True
-                turn.settled.set()
-            case Evicted(agent, image):
-                self._disk.evicted(agent, image)
-            case RestoreFailed(turn, error):
-                self._lost(turn, error)
-            case Restored(agent):
-                self._disk.restored(agent)
-            case SaveReady(command, image):
-                self._disk.save(command, image)
-            case Snapshot(_, number, image):
-                self._snapshot_taken(number, image)
-            case Statistics(reply, statistics):
-                reply(statistics)
-            case Forked(command, on_disk):
-                command.reply(on_disk)
-
-    def _snapshot_taken(self, number: int, image: CacheImage | None) -> None:
-        taken = self._unanswered.pop(number, None)
-        if taken is not None:
-            taken.image = image
-            taken.ready.set()
-
-    def _lost(self, turn: Turn, error: BaseException) -> None:
-        """The cache read back for ``turn``'s agent does not fit the model: delete it,
-        and fail the turn (the agent's next turn starts from its conversation)."""
-        agent = turn.agent
-        self._log.error("blocks.lost", agent=agent, error=str(error))
-        self._disk.lost(agent)
-        self._fail(
-            turn,
-            CorruptStateError(
-                f"the saved cache of agent {agent!r} ({self._disk.store.where(agent)}) "
-                f"does not fit the model, so it was deleted and the agent's next "
-                f"turn starts from its conversation: {error}"
-            ),
-        )
+        self._deliveries.refuse(command)
 
     # -- the engine thread ---------------------------------------------------------------
 
@@ -496,7 +382,7 @@ class Scheduler:
         return loop
 
     def _deliver_from_thread(self, items: Outbox) -> None:
-        anyio.from_thread.run_sync(self._deliver, items, token=self._token)
+        anyio.from_thread.run_sync(self._deliveries.deliver, items, token=self._token)
 
     def _thread_main(self) -> None:
         try:
@@ -517,6 +403,6 @@ class Scheduler:
                     leftovers.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            self._final = loop.close(leftovers)
+            final = self._deliveries.final = loop.close(leftovers)
             self._deliver_from_thread(loop.outbox)
-            self._log.info("scheduler.stopped", pool_used=self._final.pool.used_blocks)
+            self._log.info("scheduler.stopped", pool_used=final.pool.used_blocks)

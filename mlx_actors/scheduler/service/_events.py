@@ -1,6 +1,6 @@
 """What the engine thread tells the event loop: one class per kind of event, handed over
 in order, one step's worth at a time (see :class:`~._loop.EngineLoop`'s outbox). The
-scheduler's async side (:meth:`~._actor.Scheduler._deliver`) acts on each."""
+scheduler's async side (:meth:`~._deliveries.Deliveries.deliver`) acts on each."""
 
 from __future__ import annotations
 
