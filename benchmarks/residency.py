@@ -3,13 +3,21 @@ used, on agent workloads whose caches do not all fit. Prints JSON.
 
     python benchmarks/residency.py [--shape llama-3.2-1b --dtype bf16] [--history 8192]
 
-Two workloads, each run with ``eviction="lru"`` and ``"next-use"`` (alternating which
+Three workloads, each run with ``eviction="lru"`` and ``"next-use"`` (alternating which
 goes first), the pool at half the workload's cache (``--pool-share``):
 
 - ``round-robin``: ``--agents`` agents, each with a history of about ``--history``
   tokens, asked one after another for ``--rounds`` rounds;
 - ``main-helpers``: a main agent with twice that history and four helpers, each helper
-  asked in turn and the main agent after each, for ``--rounds`` rounds.
+  asked in turn and the main agent after each, for ``--rounds`` rounds;
+- ``tool-team``: three workers whose every task is two turns with a tool between them
+  (0.5-2 s, as a client of the server runs it: the first turn's reply stands for the
+  call, the second turn brings the result), all working at once, while seven other agents
+  are asked in a round robin. With ``"next-use"`` each worker is pinned while its tool
+  runs, as ``mlx-actors serve`` pins a session after a reply that calls tools
+  (``--tool-pin-seconds``); with ``"lru"`` it is not (eviction as it was before either).
+  Figures add the tool results whose turn found its worker's cache out of the pool (a
+  restore before a worker's second turn of a task), and the pinned agents evicted.
 
 Histories (a text of their own for each agent, so that no blocks are shared) are built
 first (untimed); then the timed turns are short questions with
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -37,8 +46,17 @@ from mlx_actors import Runtime
 POLICIES = ("lru", "next-use")
 
 
+#: The tool-team workload's workers, and how many tasks each does.
+WORKERS, TASKS = 3, 3
+
+
 def plan(workload: str, args: argparse.Namespace) -> tuple[dict[str, int], list[str]]:
-    """Each agent's history in tokens, and the order of the timed turns."""
+    """Each agent's history in tokens, and the order of the timed turns (for the tool
+    team: the round robin's, beside the workers' own)."""
+    if workload == "tool-team":
+        workers = {f"worker{i}": args.history for i in range(WORKERS)}
+        others = {f"agent{i}": args.history for i in range(7)}
+        return {**workers, **others}, list(others) * args.rounds
     if workload == "round-robin":
         agents = {f"agent{i}": args.history for i in range(args.agents)}
         return agents, list(agents) * args.rounds
@@ -52,7 +70,8 @@ async def run(
 ) -> dict[str, Any]:
     agents, order = plan(workload, args)
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    turns = {name: order.count(name) + 1 for name in agents}
+    tasks = {name: 2 * TASKS if name.startswith("worker") else 0 for name in agents}
+    turns = {name: order.count(name) + tasks[name] + 1 for name in agents}
     blocks = sum(-(-(h + turns[a] * (args.reply + 32)) // 256) for a, h in agents.items())
     pool_blocks = max(1, int(blocks * args.pool_share)) * layers  # a block is one layer's
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,24 +85,75 @@ async def run(
             before = await rt.stats()
             mark = len(trace.read_text().splitlines())
             began = time.perf_counter()
-            replies = [
-                (await rt.agent(name).ask(f"Turn {i}: what next?", max_tokens=args.reply)).tokens
-                for i, name in enumerate(order)
-            ]
+            replies: dict[str, list[tuple[int, ...]]] = {name: [] for name in agents}
+            async with anyio.create_task_group() as team:
+                if workload == "tool-team":
+                    for name in agents:
+                        if name.startswith("worker"):
+                            team.start_soon(work, rt, name, policy == "next-use", args, replies)
+                for i, name in enumerate(order):
+                    reply = await rt.agent(name).ask(f"Turn {i}: what next?", max_tokens=args.reply)
+                    replies[name].append(reply.tokens)
             wall = time.perf_counter() - began
             after = await rt.stats()
         events = [json.loads(line) for line in trace.read_text().splitlines()[mark:]]
     back = [e for e in events if e["event"] in ("blocks.restored", "blocks.read")]
     return {
         "wall_s": round(wall, 3),
-        "turns": len(order),
+        "turns": sum(len(r) for r in replies.values()),
         "pool_blocks": pool_blocks,
         "restores": after.restores - before.restores,
         "restore_ms": round(sum(e.get("ms", 0.0) for e in back), 1),
         "bytes_back": sum(e["bytes"] for e in events if e["event"] == "blocks.restored"),
         "evictions": after.evictions - before.evictions,
+        **(tool_figures(events) if workload == "tool-team" else {}),
         "replies": replies,
     }
+
+
+def tool_figures(events: list[dict[str, Any]]) -> dict[str, int]:
+    """Tool results that waited on a restore (a worker's restore before its second turn
+    of a task), and evictions of pinned agents."""
+    admitted: dict[str, int] = {}
+    restored: set[str] = set()
+    waited = 0
+    for e in events:
+        agent = e.get("agent", "")
+        if not agent.startswith("worker"):
+            continue
+        if e["event"] == "blocks.restored":
+            restored.add(agent)
+        elif e["event"] == "turn.admitted":
+            turn = admitted.get(agent, 0)
+            admitted[agent] = turn + 1
+            waited += turn % 2 == 1 and agent in restored
+            restored.discard(agent)
+    pinned = sum(
+        1 for e in events if e["event"] == "blocks.evicted" and e["why"].startswith("pinned")
+    )
+    return {"tool_results_restored": waited, "pinned_evicted": pinned}
+
+
+async def work(
+    rt: Runtime,
+    name: str,
+    pin: bool,
+    args: argparse.Namespace,
+    replies: dict[str, list[tuple[int, ...]]],
+) -> None:
+    """A worker's tasks: a turn that calls a tool, the tool (0.5-2 s), a turn with its
+    result; pinned while the tool runs if ``pin``."""
+    agent = rt.agent(name)
+    wait = random.Random(name)
+    for task in range(TASKS):
+        call = await agent.ask(f"Task {task}: which tool?", max_tokens=args.reply)
+        if pin:
+            agent.pin(60)  # as the server pins a session after a reply with calls
+        await anyio.sleep(wait.uniform(0.5, 2.0))  # the tool runs
+        result = await agent.ask(f"Task {task}: the tool says 42.", max_tokens=args.reply)
+        if pin:
+            agent.unpin()
+        replies[name].extend([call.tokens, result.tokens])
 
 
 def main() -> None:
@@ -94,7 +164,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reply", type=int, default=16)
     parser.add_argument("--pool-share", type=float, default=0.5)
-    parser.add_argument("--workloads", nargs="*", default=["round-robin", "main-helpers"])
+    parser.add_argument(
+        "--workloads", nargs="*", default=["round-robin", "main-helpers", "tool-team"]
+    )
     args = parser.parse_args()
     model = Path(args.model or random_model(args.shape, args.dtype))
     tokenizer = load_tokenizer(model)
