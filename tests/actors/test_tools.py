@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import subprocess
 import sys
 import textwrap
@@ -542,6 +543,74 @@ async def test_a_tool_conversation_is_evicted_and_comes_back_exactly(model: Load
         eos = model.tokenizer.eos_token_ids
         assert list(reply.tokens) == reference(model.model, prompt, 120, stop=eos)
         assert reply.usage.cached_tokens > 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("then", ["answer", "cancel"])
+async def test_an_agent_waiting_on_its_tool_leaves_a_full_pool_and_comes_back_exactly(
+    tiny_dir: Path, then: str
+) -> None:
+    """While its tool runs, an agent holds its cache and the one its turn started from. A
+    turn that needs that room, when no other cache can leave, evicts it (rather than
+    being refused); the agent's next round brings its cache back, and its reply is
+    mlx-lm's own. Cancelled after that, the agent is as it was before the turn."""
+    model = load(tiny_dir)
+    inside, gate = anyio.Event(), anyio.Event()
+
+    async def look_up() -> str:
+        """Look the answer up."""
+        inside.set()
+        await gate.wait()
+        return "42"
+
+    layers = model.spec.num_layers
+    async with Runtime(tiny_dir, pool_blocks=12 * layers, log_level="off") as rt:
+        calc = await rt.spawn("calc", tools=[look_up], max_tokens=120)
+        await calc.ask("Hello " * 30, tool_choice="none")
+        before = calc.history
+        other = await rt.spawn("other", max_tokens=8)
+        replies: list[Any] = []
+        async with anyio.create_task_group() as tg:
+
+            async def ask() -> None:
+                replies.append(await calc.ask("What is it?", tool_choice="look_up"))
+
+            tg.start_soon(ask)
+            with anyio.fail_after(30):  # a hang fails the test instead of stalling the suite
+                await inside.wait()  # its first round is over; both its caches are held
+            assert (await rt.stats()).pool.used_blocks >= 4 * layers  # calc's two caches
+            # A prompt that needs 11 of the pool's 12 blocks per layer: calc must leave.
+            await other.ask(text_of(model, 10 * 256), timeout=30)
+            assert calc.statistics().on_disk
+            if then == "cancel":
+                tg.cancel_scope.cancel()
+            else:
+                gate.set()
+        stats = await rt.stats()
+        assert stats.evictions >= 1 and stats.turns_in_flight == 0
+        if then == "answer":
+            (reply,) = replies
+            assert stats.restores >= 1 and [c.name for c in reply.tool_calls] == ["look_up"]
+            prompt = final_prompt(model, calc, len(calc.history) - 1)
+            eos = model.tokenizer.eos_token_ids
+            assert list(reply.tokens) == reference(model.model, prompt, 120, stop=eos)
+        else:  # as before the turn: the next one answers the same conversation
+            assert calc.history == before and replies == []
+            reply = await calc.ask("And now?", tool_choice="none")
+            prompt = final_prompt(model, calc, len(calc.history) - 1)
+            eos = model.tokenizer.eos_token_ids
+            assert list(reply.tokens) == reference(model.model, prompt, 120, stop=eos)
+        agents = (calc, other)
+        assert stats.pool.used_blocks <= sum(a.statistics().cached_blocks for a in agents)
+
+
+def text_of(model: Loaded, tokens: int) -> str:
+    """Words that tokenise to at least ``tokens`` tokens."""
+    rng = random.Random(tokens)
+    words: list[str] = []
+    while len(model.tokenizer.encode(" ".join(words))) < tokens:
+        words.extend("".join(rng.choices("abcdefghijklmnop", k=5)) for _ in range(64))
+    return " ".join(words)
 
 
 # -- found in review ---------------------------------------------------------------------

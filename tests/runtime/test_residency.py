@@ -4,12 +4,14 @@ now, against the least recently used, on the same conversations."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from mlx_actors import Runtime
 from mlx_actors.errors import AgentClosedError, InvalidRequestError
+from mlx_actors.scheduler.residency._manager import ROUND_PIN_SECONDS, CacheEntry
 
 from .test_persistence import converse
 
@@ -65,6 +67,17 @@ async def test_a_pinned_agent_stays_while_others_can_leave(tiny_dir: Path, tmp_p
     assert "agent0" in evicted[None] and len(evicted[3600.0]) > 3
     assert "agent0" not in evicted[3600.0]
     assert evicted[1e-9] == evicted[None]  # an expired pin changes nothing
+
+
+def test_an_agent_between_tool_rounds_counts_as_pinned_for_a_minute() -> None:
+    now = time.perf_counter()
+    entry = CacheEntry(holding=True, held_since=now - 1.0)
+    assert entry.pinned(now)  # its tools are running: it leaves only as a pinned one does
+    assert not entry.pinned(now + ROUND_PIN_SECONDS)  # a stuck tool holds no one back
+    entry.holding = False
+    assert not entry.pinned(now)
+    entry.pinned_until = now + 5.0
+    assert entry.pinned(now) and not entry.pinned(now + 5.0)
 
 
 async def test_pins_take_seconds_and_an_open_agent(tiny_dir: Path) -> None:

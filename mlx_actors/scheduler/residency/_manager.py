@@ -32,6 +32,12 @@ from ._next_use import NextUse
 #: How the cache manager chooses an idle agent to evict.
 EVICTION_POLICIES = ("next-use", "lru")
 
+#: How long an agent between rounds of tool calls (its tools running) counts as pinned:
+#: its cache leaves only if no unpinned idle agent's can; after that, a tool still
+#: running holds no memory others need (as ``mlx-actors serve``'s default pin of a
+#: session waiting for its client's tools).
+ROUND_PIN_SECONDS = 60.0
+
 
 @attrs.define(eq=False)
 class CacheEntry:
@@ -54,18 +60,28 @@ class CacheEntry:
     #: another idle agent can be.
     pinned_until: float = 0.0
     #: A turn of several rounds (tool calls) is under way: the cache it started from
-    #: (``kept``, ``None`` if there was none) waits for its end, and the agent is not
-    #: evicted meanwhile.
+    #: (``kept``, ``None`` if there was none) waits for its end. Meanwhile the agent
+    #: is evicted only as a pinned one is (:data:`ROUND_PIN_SECONDS`).
     holding: bool = False
     kept: AgentBlocks | None = None
+    #: When the turn's first round ended (``time.perf_counter()``).
+    held_since: float = 0.0
+    #: The cache the turn started from was freed when the agent was evicted between
+    #: rounds: an undo keeps the latest round's cache instead (a next turn goes back
+    #: from it to where its conversation parts from the round's).
+    kept_gone: bool = False
 
     @property
     def evicted(self) -> bool:
         """The cache is out of the pool (on disk, or in host memory on its way there)."""
         return self.blocks is None and bool(self.tokens)
 
-    def busy_or_holding(self) -> bool:
-        return self.busy or self.holding
+    def pinned(self, now: float) -> bool:
+        """Pinned by :meth:`CacheManager.pin`, or between rounds of tool calls for less
+        than :data:`ROUND_PIN_SECONDS`."""
+        return self.pinned_until > now or (
+            self.holding and now - self.held_since < ROUND_PIN_SECONDS
+        )
 
 
 class CacheManager:
@@ -147,12 +163,13 @@ class CacheManager:
         entry = self.entry(agent)
         if hold and not entry.holding:
             entry.holding, entry.kept = True, entry.blocks  # the turn's start, for undo
+            entry.held_since = time.perf_counter()
         elif entry.blocks is not None and entry.blocks is not blocks:
             self.pool.free(entry.blocks.blocks())  # (the same blocks: the hold ends)
         if not hold:
             if entry.kept is not None:
                 self.pool.free(entry.kept.blocks())
-            entry.holding, entry.kept = False, None
+            entry.holding, entry.kept, entry.kept_gone = False, None, False
         entry.blocks, entry.tokens = blocks, blocks.tokens
         entry.last_used, entry.busy = time.perf_counter(), saving
         if entry.stored:  # only the blocks it still holds can be referred to
@@ -166,6 +183,9 @@ class CacheManager:
         again; the rounds' blocks are freed."""
         entry = self.agents.get(agent)
         if entry is None or not entry.holding:
+            return
+        if entry.kept_gone:  # evicted between rounds: the latest round's cache stays
+            entry.holding = entry.kept_gone = entry.busy = False
             return
         if entry.blocks is not None:
             self.pool.free(entry.blocks.blocks())
@@ -262,7 +282,7 @@ class CacheManager:
         idle = {
             name: entry
             for name, entry in self.agents.items()
-            if entry.blocks is not None and not entry.busy_or_holding() and name != exclude
+            if entry.blocks is not None and not entry.busy and name != exclude
         }
         alone = [
             (self._priority(name, entry), name)
@@ -280,6 +300,10 @@ class CacheManager:
         blocks = entry.blocks.num_blocks
         self.pool.free(entry.blocks.blocks())
         entry.blocks = None
+        if entry.holding:  # between rounds: the turn's start goes too
+            if entry.kept is not None:
+                self.pool.free(entry.kept.blocks())
+            entry.kept, entry.kept_gone = None, True
         self.evictions += 1
         self._log.info(
             "blocks.evicted",
@@ -316,14 +340,17 @@ class CacheManager:
         """Eviction order (the least first): unpinned agents before pinned ones; then
         the agent expected furthest from now, then the least recently used (with
         ``eviction="lru"``, the least recently used)."""
-        pinned = entry.pinned_until > time.perf_counter()
+        pinned = entry.pinned(time.perf_counter())
         if self.eviction == "lru":
             return (pinned, 0.0, entry.last_used)
         return (pinned, -self.next_use.expected_in(name), entry.last_used)
 
     def _why(self, name: str) -> str:
         """Why ``name`` was chosen, for the trace."""
-        if self.agents[name].pinned_until > time.perf_counter():
+        entry = self.agents[name]
+        if entry.holding and entry.pinned(time.perf_counter()):
+            return "between rounds of tool calls, and no unpinned agent could leave"
+        if entry.pinned(time.perf_counter()):
             return "pinned, and no unpinned agent could leave"
         if self.eviction == "lru":
             return "least recently used"
@@ -398,7 +425,7 @@ class CacheManager:
             if blocks is not None:
                 self.pool.free(blocks.blocks())
         entry.blocks = entry.kept = None
-        entry.holding = False
+        entry.holding = entry.kept_gone = False
 
     def free_all(self) -> set[int]:
         """Free every agent's blocks (the runtime is closing); returns the ``id()`` of
