@@ -88,13 +88,14 @@ class Starter:
         lone = len(pending) == 1 and not self.planner.jobs and not self.batch.busy
         # Short prompts started together run as one batch of prompts, whatever their
         # histories: one model call for all of them, not one each.
-        together = sum(self._short(seq) for seq in pending) > 1
-        for seq in pending:
+        shorts = [self._short(seq) for seq in pending]
+        together = sum(shorts) > 1
+        for seq, is_short in zip(pending, shorts, strict=True):
             cached = seq.source.length
             uncached = len(seq.tokens) - 1 - cached
             if self.planner.lost(seq):
                 self.planner.make_job(seq)  # it keeps the sliding layers' state at seq.kept
-            elif (lone and uncached < self.long_prefill) or (together and self._short(seq)):
+            elif (lone and uncached < self.long_prefill) or (together and is_short):
                 self.batch.insert(seq, None)
             elif uncached >= self.long_prefill or (
                 uncached > 0 and not self.paged_batch and cached >= self.long_prefill
