@@ -16,9 +16,13 @@ Workloads (``--workloads``):
 - ``subagents``: a main agent with a long context (28K tokens at ``--scale 1``) and three
   sub-agents (6-7K) taking turns, the main agent after each (vllm-mlx #541's shape).
 - ``prefix``: eight sessions on one warm 8K-token prefix asked at once (oMLX #3348's
-  shape): the spread of their first tokens, and their decoding speed against mlx-lm's bare
-  ``BatchGenerator`` decoding the same eight (on a CUDA GPU in a process of its own, once
-  with MLX's cuDNN attention and once without, as ``mlx-actors serve`` runs it).
+  shape), twice: the spread of the second burst's first tokens, and its decoding speed
+  against mlx-lm's bare ``BatchGenerator`` decoding the same eight (on a CUDA GPU in a
+  process of its own, once with MLX's cuDNN attention and once without, as ``mlx-actors
+  serve`` runs it). The first burst's spread and slowest first token are reported beside
+  them: its requests open the client's connections (one is already open from the warm-up
+  request, so that one may arrive first), and its shapes run for the first time in the
+  server's process.
 
 Figures: session completion time (mean, p95), time to first token (p50, p95), tokens
 prefilled against the least a server that keeps every session's cache would prefill,
@@ -426,10 +430,13 @@ async def run_bfcl(
         start = time.perf_counter()
         messages: list[dict[str, Any]] = []
         tools = session["tools"]
+        # A session's name holds the run's seed: a later run of more sessions on the same
+        # server starts each session anew (its agent does not already hold the conversation).
+        name = f"{seed}-{session['id']}"
 
         async def request() -> None:
             prompts[k].append(([dict(m) for m in messages], tools))
-            records.append(await ask(client, model, session["id"], messages, tools))
+            records.append(await ask(client, model, name, messages, tools))
 
         for turn in session["turns"]:
             if not turn["user"]:
@@ -499,24 +506,48 @@ async def run_prefix(
     streams: int,
     new_tokens: int,
 ) -> dict[str, Any]:
+    """Two bursts of ``streams`` new sessions on the warm prefix, one after the other: the
+    figures are the second's (a server that has served such a burst before); the first
+    burst's spread and slowest first token are kept beside them (a server process's
+    first burst of these shapes)."""
     document = _document(random.Random(2), tokenizer, prefix_tokens)
     system = {"role": "system", "content": document}
     await ask(client, model, "warm", [system, {"role": "user", "content": "Ready?"}], None)
-    questions = [f"Question {i}: what does part {i} say?" for i in range(streams)]
-    records = await asyncio.gather(
-        *(
-            ask(client, model, f"p{i}", [system, {"role": "user", "content": q}], None, new_tokens)
-            for i, q in enumerate(questions)
+    bursts = []
+    for burst in range(2):
+        questions = [
+            f"Burst {burst}, question {i}: what does part {i} say?" for i in range(streams)
+        ]
+        records = await asyncio.gather(
+            *(
+                ask(
+                    client,
+                    model,
+                    f"p{burst}-{i}",
+                    [system, {"role": "user", "content": q}],
+                    None,
+                    new_tokens,
+                )
+                for i, q in enumerate(questions)
+            )
         )
-    )
-    firsts = [x["first_at"] for x in records]
+        bursts.append(records)
+    first, records = bursts
     rates = [(x["generated"] - 1) / (x["ended"] - x["first_at"]) for x in records]
     return {
-        "first_token_spread_ms": round(1000 * (max(firsts) - min(firsts)), 1),
+        "first_token_spread_ms": _spread_ms(records),
         "ttft_max_s": round(max(x["ttft"] for x in records), 3),
         "decode_tokens_per_s": round(sum(rates), 1),
         "prefilled": [x["prefilled"] for x in records],
+        "first_burst_spread_ms": _spread_ms(first),
+        "first_burst_ttft_max_s": round(max(x["ttft"] for x in first), 3),
     }
+
+
+def _spread_ms(records: list[dict[str, Any]]) -> float:
+    """Milliseconds between the first and the last first token of ``records``."""
+    firsts = [x["first_at"] for x in records]
+    return round(1000 * (max(firsts) - min(firsts)), 1)
 
 
 def bare_batch_decode(model_dir: Path, prefix_tokens: int, streams: int, new_tokens: int) -> float:
@@ -535,7 +566,7 @@ def bare_batch_decode(model_dir: Path, prefix_tokens: int, streams: int, new_tok
         tokenizer.apply_chat_template(
             [
                 {"role": "system", "content": document},
-                {"role": "user", "content": f"Question {i}: what does part {i} say?"},
+                {"role": "user", "content": f"Burst 1, question {i}: what does part {i} say?"},
             ],
             add_generation_prompt=True,
         )
