@@ -5,6 +5,11 @@ Prints JSON.
     python benchmarks/serve.py --shape tiny --sessions 16 32 64            # CPU
     python benchmarks/serve.py --shape llama-3.2-1b --dtype bf16 --scale 1 # GPU
 
+``--servers vllm-mlx --vllm-mlx PATH`` adds vllm-mlx's server (its continuous batching)
+as a third column: it pins mlx-lm below 0.32, so it is installed in an environment of its
+own (``python -m venv V && V/bin/pip install vllm-mlx mlx-cpu``) and ``PATH`` is its
+``V/bin/vllm-mlx``. It reports no cached tokens, so its ``prefilled`` is ``null``.
+
 Workloads (``--workloads``):
 
 - ``bfcl``: multi-turn tool-calling sessions replayed from BFCL v4 (``multi_turn_base`` and
@@ -77,6 +82,10 @@ MLX_LM = {
 #: Variants' environment: MLX's cuDNN attention off, as ``mlx-actors serve`` has it.
 MLX_LM_ENV = {"mlx-lm-p512-nocudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "0"}}
 
+#: vllm-mlx's ``vllm-mlx`` executable (``--vllm-mlx``): it pins mlx-lm below 0.32, so it
+#: lives in an environment of its own.
+VLLM_MLX: str | None = None
+
 #: Tokens each request generates (``--new-tokens``).
 NEW_TOKENS = 32
 
@@ -127,6 +136,11 @@ class Server:
             command += ["--port", str(port), "--model-name", str(model)]
             command += ["--max-tokens", str(NEW_TOKENS)]
             command += ["--trace", str(logs / f"{kind}-{port}.jsonl")]
+        elif kind == "vllm-mlx":
+            if VLLM_MLX is None:
+                raise SystemExit("--servers vllm-mlx needs --vllm-mlx PATH (its executable)")
+            command = [VLLM_MLX, "serve", str(model), "--port", str(port)]
+            command += ["--continuous-batching", "--offline"]
         else:
             command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model)]
             command += ["--port", str(port), "--log-level", "WARNING", "--temp", "0"]
@@ -237,15 +251,15 @@ async def ask(
         usage = chunk.usage or usage
     ended = time.perf_counter()
     assert usage is not None
-    details = usage.prompt_tokens_details
-    cached = details.cached_tokens if details is not None and details.cached_tokens else 0
+    details = usage.prompt_tokens_details  # None: the server does not say (vllm-mlx)
+    cached = (details.cached_tokens or 0) if details is not None else None
     return {
         "session": session,
         "started": started,
         "ttft": (first or ended) - started,
         "seconds": ended - started,
         "prompt": usage.prompt_tokens,
-        "prefilled": usage.prompt_tokens - cached,
+        "prefilled": None if cached is None else usage.prompt_tokens - cached,
         "generated": usage.completion_tokens,
         "first_at": first or ended,
         "ended": ended,
@@ -493,7 +507,7 @@ async def run_subagents(
         "first_ttft_s": {x["session"]: round(x["ttft"], 3) for x in records if x["turn"] == 0},
         "later_ttft_p50_s": round(statistics.median(x["ttft"] for x in later), 4),
         "later_ttft_max_s": round(max(x["ttft"] for x in later), 4),
-        "later_max_prefilled": max(x["prefilled"] for x in later),
+        "later_max_prefilled": _known(max, [x["prefilled"] for x in later]),
         "total_s": round(sum(x["seconds"] for x in records), 3),
     }
 
@@ -542,6 +556,11 @@ async def run_prefix(
         "first_burst_spread_ms": _spread_ms(first),
         "first_burst_ttft_max_s": round(max(x["ttft"] for x in first), 3),
     }
+
+
+def _known(total: Any, values: list[int | None]) -> int | None:
+    """``total(values)``, or ``None`` if a server did not report one of them."""
+    return None if None in values else int(total(values))
 
 
 def _spread_ms(records: list[dict[str, Any]]) -> float:
@@ -605,7 +624,7 @@ def bare_batch_decode(model_dir: Path, prefix_tokens: int, streams: int, new_tok
 
 
 def main() -> None:
-    global NEW_TOKENS
+    global NEW_TOKENS, VLLM_MLX
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--dtype", default="f32", choices=sorted(DTYPES))
@@ -621,8 +640,13 @@ def main() -> None:
         "--servers",
         nargs="+",
         default=["mlx-actors", "mlx-lm", "mlx-lm-64"],
-        choices=["mlx-actors", *MLX_LM],
-        help="mlx-lm's server with its defaults, or one of its variants (MLX_LM)",
+        choices=["mlx-actors", *MLX_LM, "vllm-mlx"],
+        help="mlx-lm's server with its defaults, one of its variants (MLX_LM), or vllm-mlx's",
+    )
+    parser.add_argument(
+        "--vllm-mlx",
+        help="vllm-mlx's executable (installed in an environment of its own), for "
+        "--servers vllm-mlx: its continuous batching",
     )
     parser.add_argument(
         "--warmup",
@@ -641,6 +665,7 @@ def main() -> None:
         return
     args.model = None
     NEW_TOKENS = args.new_tokens
+    VLLM_MLX = args.vllm_mlx
     model_dir = build_model(args)
     tokenizer = load_tokenizer(model_dir)
     facts = run_facts("serve", args)
@@ -761,7 +786,7 @@ async def _drive(
                     "ttft_p50_s": round(percentile(ttfts, 0.5), 4),
                     "ttft_p95_s": round(percentile(ttfts, 0.95), 4),
                     "prompt_tokens": sum(x["prompt"] for x in records),
-                    "prefilled": sum(x["prefilled"] for x in records),
+                    "prefilled": _known(sum, [x["prefilled"] for x in records]),
                     "least_prefill": least,
                 }
                 print(json.dumps({f"bfcl_{n}": out[f"bfcl_{n}"]}), file=sys.stderr, flush=True)
