@@ -15,6 +15,7 @@ import pytest
 from mlx_actors import Runtime
 from mlx_actors.errors import AgentClosedError, InvalidRequestError
 from mlx_actors.scheduler import BLOCK_SIZE, AgentBlocks, BlockPool, BlockPoolBatchEngine
+from mlx_actors.scheduler.engine import _batch
 from mlx_actors.scheduler.residency import make_blocks, take_image
 from mlx_actors.testing import tiny_config, write_random_model
 
@@ -117,6 +118,41 @@ def test_a_prefix_shared_by_sequences_submitted_together_is_prefilled_once(
     held(engine.pool, *(r.blocks for r in results))
     for r in results:
         engine.release(r.blocks)
+    assert engine.pool.used_blocks == 0
+
+
+def test_sequences_joining_together_on_the_same_blocks_gather_them_once(
+    engine: BlockPoolBatchEngine, tiny: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three agents ask at once on a brief another agent's blocks hold, while a fourth
+    decodes: they join the batch as one batch of prompts, their common history gathered
+    from the blocks once (each with cache objects of its own over the same arrays), and
+    each reply is mlx-lm's own."""
+    first = [*BRIEF, *prompt(30, 2)]
+    uid = engine.submit("ann", first, max_tokens=N)
+    ann = run_to_completion(engine)[uid]
+    busy = prompt(50, 9)
+    bob = engine.submit("bob", busy, max_tokens=3 * N)
+    engine.step()  # bob decodes: the others join a busy batch
+    gathered: list[int] = []
+    gather = _batch.to_cache
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gathered.append(args[2])  # the tokens gathered
+        return gather(*args, **kwargs)
+
+    monkeypatch.setattr(_batch, "to_cache", counted)
+    prompts = [[*BRIEF, *prompt(20 + 3 * i, 20 + i)] for i in range(3)]
+    uids = [engine.submit(f"c{i}", p, max_tokens=N) for i, p in enumerate(prompts)]
+    done = run_to_completion(engine)
+    shared = {common(p, first) for p in prompts}
+    assert len(shared) == 1 and gathered == list(shared)  # one gather for the three
+    assert list(done[bob].tokens) == expected(tiny, busy, 3 * N)
+    for uid, p in zip(uids, prompts):
+        assert list(done[uid].tokens) == expected(tiny, p)
+        assert done[uid].usage.shared_tokens == common(p, first)
+    for result in (ann, *done.values()):
+        engine.release(result.blocks)
     assert engine.pool.used_blocks == 0
 
 

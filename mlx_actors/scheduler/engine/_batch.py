@@ -5,7 +5,9 @@ one step for them, and turning what that step produced into tokens and finished 
 
 from __future__ import annotations
 
+import copy
 import time
+from collections.abc import Hashable
 from typing import Any
 
 import attrs
@@ -101,11 +103,18 @@ class Batch:
 
     # -- starting -----------------------------------------------------------------------
 
-    def insert(self, seq: EngineSequence, cache: list[Any] | None, start: int = 0) -> None:
+    def insert(
+        self,
+        seq: EngineSequence,
+        cache: list[Any] | None,
+        start: int = 0,
+        gathered: dict[Hashable, list[Any]] | None = None,
+    ) -> None:
         """Start ``seq``: with ``cache`` (a prefill job's, holding its first ``start``
-        tokens), else with a cache built from its source blocks. Alone, it decodes
-        outside the batch (:class:`Solo`); else in the batch, which a sequence decoding
-        alone joins first."""
+        tokens), else with a cache built from its source blocks (``gathered``: the
+        histories gathered for the sequences started with it, see :meth:`_history`).
+        Alone, it decodes outside the batch (:class:`Solo`); else in the batch, which a
+        sequence decoding alone joins first."""
         alone = not self.busy
         if cache is None:
             start = seq.source.length
@@ -121,7 +130,7 @@ class Batch:
             # Alone, the cache is updated in place: room for the prompt and a block of
             # reply saves copying it all again at the first update.
             room = len(seq.tokens) - start + BLOCK_SIZE if alone else 0
-            cache = to_cache(self.spec, seq.source.layers, start, room=room)
+            cache = self._history(seq, start, room, gathered)
         seq.seed = None
         if seq.source.length > seq.kept:  # a prefix computed for others: keep its state
             seq.anchors = (*seq.anchors, seq.source.length)
@@ -143,6 +152,26 @@ class Batch:
         if self.solo is not None:
             self._hand_over()
         self._join(seq, prompt, cache, seq.budget)
+
+    def _history(
+        self,
+        seq: EngineSequence,
+        start: int,
+        room: int,
+        gathered: dict[Hashable, list[Any]] | None,
+    ) -> list[Any]:
+        """``seq``'s first ``start`` tokens as a cache, from its source blocks. Sequences
+        started together on the same pieces of the same blocks (a fan-out on one brief,
+        sessions on one prefix) share one gather: each gets cache objects of its own over
+        the same arrays, which the batch's merge only reads (a cache with ``room`` is
+        updated in place: its own copy)."""
+        if room or gathered is None:
+            return to_cache(self.spec, seq.source.layers, start, room=room)
+        key = (start, tuple(tuple((b.id, a, z) for b, a, z in x) for x in seq.source.layers))
+        model = gathered.get(key)
+        if model is None:
+            model = gathered[key] = to_cache(self.spec, seq.source.layers, start)
+        return [copy.copy(layer) for layer in model]
 
     def kept(self, seq: EngineSequence, start: int) -> list[Any] | None:
         """``seq``'s agent's kept cache, cut back to ``start`` tokens, if it serves

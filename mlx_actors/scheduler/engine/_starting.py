@@ -7,7 +7,8 @@ batch."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
@@ -90,13 +91,14 @@ class Starter:
         # histories: one model call for all of them, not one each.
         shorts = [self._short(seq) for seq in pending]
         together = sum(shorts) > 1
+        gathered: dict[Hashable, list[Any]] = {}  # histories gathered, by their pieces
         for seq, is_short in zip(pending, shorts, strict=True):
             cached = seq.source.length
             uncached = len(seq.tokens) - 1 - cached
             if self.planner.lost(seq):
                 self.planner.make_job(seq)  # it keeps the sliding layers' state at seq.kept
             elif (lone and uncached < self.long_prefill) or (together and is_short):
-                self.batch.insert(seq, None)
+                self.batch.insert(seq, None, gathered=gathered)
             elif uncached >= self.long_prefill or (
                 uncached > 0 and not self.paged_batch and cached >= self.long_prefill
             ):
@@ -106,7 +108,7 @@ class Starter:
                 if job.next_stop() - job.pos <= self.prefill_step_size:
                     short.append(job)
             else:
-                self.batch.insert(seq, None)
+                self.batch.insert(seq, None, gathered=gathered)
         if len(short) > 1:
             gang = object()
             for job in short:
