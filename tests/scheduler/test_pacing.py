@@ -112,6 +112,45 @@ def test_a_prefills_buffers_leave_mlxs_cache(
         mx.set_cache_limit(before)
 
 
+def test_a_batch_of_prompts_leaves_mlxs_cache_as_it_is(tiny: Loaded) -> None:
+    """mlx-lm's ``BatchGenerator`` empties MLX's buffer cache after each chunk of its
+    batch of prompts; inside an engine's step it leaves it (its buffers are the next
+    steps'), and elsewhere mlx-lm's call empties it as before. Replies are mlx-lm's."""
+    pool = BlockPool(tiny.spec, total_blocks=400)
+    engine = BlockPoolBatchEngine(tiny.model, tiny.tokenizer, pool, step_seconds=60.0)
+    eos = tiny.tokenizer.eos_token_ids
+    chats = [ReferenceChat(tiny.model, eos) for _ in range(2)]
+    histories = []
+    for i, chat in enumerate(chats):  # each agent's first turn
+        first = prompt(300 + 20 * i, 50 + i)
+        uid = engine.submit(f"a{i}", first, max_tokens=2)
+        result = run_to_completion(engine)[uid]
+        assert list(result.tokens) == chat.turn(first, 2)
+        histories.append(result.blocks)
+    engine.submit("busy", prompt(40, 60), max_tokens=3 * N)
+    engine.step()  # it decodes: the two questions join a busy batch as a batch of prompts
+    questions = [prompt(20 + 5 * i, 70 + i) for i in range(2)]
+    uids = [engine.submit(f"a{i}", q, histories[i], max_tokens=N) for i, q in enumerate(questions)]
+    cached, done = [], {}
+    while engine.active:
+        for r in engine.step():
+            done[r.uid] = r
+        assert engine.last_step is not None
+        if engine.last_step.prefill_tokens and not engine.last_step.jobs:
+            cached.append(mx.get_cache_memory())  # after a step of the batch of prompts
+    assert cached and min(cached) > 1 << 16  # emptied, a few hundred bytes were left
+    for i, uid in enumerate(uids):
+        history = [*histories[i].tokens, *questions[i]]
+        assert list(done[uid].tokens) == chats[i].turn(history, N)
+    _buffers._generate.mx.clear_cache()  # mlx-lm's call, outside an engine's step
+    assert mx.get_cache_memory() == 0
+    for r in done.values():
+        engine.release(r.blocks)
+    for blocks in histories:
+        engine.release(blocks)
+    engine.close()
+
+
 @pytest.mark.parametrize("long_prefill", [32, 64])
 def test_short_prefills_started_together_start_decoding_together(
     tiny: Loaded, long_prefill: int

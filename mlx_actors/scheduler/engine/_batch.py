@@ -16,6 +16,7 @@ from mlx_lm.generate import BatchGenerator
 
 from ..kv._blocks import make_cache, over_blocks, to_cache
 from ..kv._spec import BLOCK_SIZE, ModelCacheSpec
+from ._buffers import keeping
 from ._output import Output
 from ._pacing import Pacing
 from ._prefill import snapshot
@@ -246,7 +247,8 @@ class Batch:
                 share = max(1, budget // len(left))
                 share = 1 << (share.bit_length() - 1)  # few distinct shapes (see Pacing)
                 self._generator.prefill_step_size = min(self._prefill_step_size, share)
-            work.prompts, work.responses = self._generator.next()
+            with keeping():  # mlx-lm would empty MLX's buffer cache (see _buffers)
+                work.prompts, work.responses = self._generator.next()
         if self.solo is not None:
             seq, run = self.solo
             if not run.prefilled:
