@@ -137,8 +137,7 @@ class Server:
             command += ["--max-tokens", str(NEW_TOKENS)]
             command += ["--trace", str(logs / f"{kind}-{port}.jsonl")]
         elif kind == "vllm-mlx":
-            if VLLM_MLX is None:
-                raise SystemExit("--servers vllm-mlx needs --vllm-mlx PATH (its executable)")
+            assert VLLM_MLX is not None  # main() checks it
             command = [VLLM_MLX, "serve", str(model), "--port", str(port)]
             command += ["--continuous-batching", "--offline"]
         else:
@@ -529,9 +528,7 @@ async def run_prefix(
     await ask(client, model, "warm", [system, {"role": "user", "content": "Ready?"}], None)
     bursts = []
     for burst in range(2):
-        questions = [
-            f"Burst {burst}, question {i}: what does part {i} say?" for i in range(streams)
-        ]
+        questions = [_question(burst, i) for i in range(streams)]
         records = await asyncio.gather(
             *(
                 ask(
@@ -556,6 +553,11 @@ async def run_prefix(
         "first_burst_spread_ms": _spread_ms(first),
         "first_burst_ttft_max_s": round(max(x["ttft"] for x in first), 3),
     }
+
+
+def _question(burst: int, i: int) -> str:
+    """The prefix workload's question ``i`` of burst ``burst`` (the timed burst is 1)."""
+    return f"Burst {burst}, question {i}: what does part {i} say?"
 
 
 def _known(total: Any, values: list[int | None]) -> int | None:
@@ -585,7 +587,7 @@ def bare_batch_decode(model_dir: Path, prefix_tokens: int, streams: int, new_tok
         tokenizer.apply_chat_template(
             [
                 {"role": "system", "content": document},
-                {"role": "user", "content": f"Burst 1, question {i}: what does part {i} say?"},
+                {"role": "user", "content": _question(1, i)},
             ],
             add_generation_prompt=True,
         )
@@ -666,6 +668,8 @@ def main() -> None:
     args.model = None
     NEW_TOKENS = args.new_tokens
     VLLM_MLX = args.vllm_mlx
+    if "vllm-mlx" in args.servers and VLLM_MLX is None:
+        parser.error("--servers vllm-mlx needs --vllm-mlx PATH (its executable)")
     model_dir = build_model(args)
     tokenizer = load_tokenizer(model_dir)
     facts = run_facts("serve", args)

@@ -348,10 +348,9 @@ class CacheManager:
     def _why(self, name: str) -> str:
         """Why ``name`` was chosen, for the trace."""
         entry = self.agents[name]
-        if entry.holding and entry.pinned(time.perf_counter()):
-            return "between rounds of tool calls, and no unpinned agent could leave"
         if entry.pinned(time.perf_counter()):
-            return "pinned, and no unpinned agent could leave"
+            held = "between rounds of tool calls" if entry.holding else "pinned"
+            return f"{held}, and no unpinned agent could leave"
         if self.eviction == "lru":
             return "least recently used"
         return f"next turn expected in {self.next_use.expected_in(name)} turns"
