@@ -233,8 +233,16 @@ def main() -> None:
             # prompt tokens a model call runs), so outputs of differently formed
             # batches may differ, mlx-lm's own among them; on a CPU in float32 they match.
             "actors_outputs_equal_batch_generator": actors["outputs"] == raw["outputs"],
-            "sequential_outputs_equal_batch_generator": seq is None
-            or seq["outputs"] == raw["outputs"],
+            # mlx-lm's single stream, the oracle (None: not run, --no-sequential).
+            "sequential_outputs_equal_batch_generator": None
+            if seq is None
+            else seq["outputs"] == raw["outputs"],
+            "actors_outputs_equal_sequential": None
+            if seq is None
+            else actors["outputs"] == seq["outputs"],
+            "actors_replies_unlike_sequential": None
+            if seq is None
+            else sum(a != s for a, s in zip(actors["outputs"], seq["outputs"], strict=True)),
             "batch_generator_outputs_equal_with_one_prefill_group": together["outputs"]
             == raw["outputs"],
             "actors_outputs_equal_one_prefill_group": actors["outputs"] == together["outputs"],

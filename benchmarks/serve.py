@@ -242,11 +242,14 @@ async def ask(
         prompt_cache_key=session,
         **options,
     )
+    last = None  # the last chunk carrying generated text (or calls)
     async for chunk in chunks:
-        if chunk.choices and first is None:
+        if chunk.choices:
             delta = chunk.choices[0].delta
-            if delta.content or delta.tool_calls or chunk.choices[0].finish_reason:
-                first = time.perf_counter()
+            if delta.content or delta.tool_calls:
+                last = time.perf_counter()
+            if first is None and (last is not None or chunk.choices[0].finish_reason):
+                first = last or time.perf_counter()
         usage = chunk.usage or usage
     ended = time.perf_counter()
     assert usage is not None
@@ -261,6 +264,7 @@ async def ask(
         "prefilled": None if cached is None else usage.prompt_tokens - cached,
         "generated": usage.completion_tokens,
         "first_at": first or ended,
+        "last_at": last or first or ended,
         "ended": ended,
     }
 
@@ -544,7 +548,9 @@ async def run_prefix(
         )
         bursts.append(records)
     first, records = bursts
-    rates = [(x["generated"] - 1) / (x["ended"] - x["first_at"]) for x in records]
+    # From the first generated text to the last, as the bare decode counts (the end of
+    # the stream, after the usage, would add the server's end of turn).
+    rates = [(x["generated"] - 1) / (x["last_at"] - x["first_at"]) for x in records]
     return {
         "first_token_spread_ms": _spread_ms(records),
         "ttft_max_s": round(max(x["ttft"] for x in records), 3),
