@@ -134,6 +134,7 @@ async def answer_evicted(
         "ttft_ms": reply.ttft_s * 1e3,
         "read_ms": last["blocks.read"].get("ms", 0.0),
         "inject_ms": last["blocks.restored"].get("ms", 0.0),
+        "room_ms": last["blocks.restored"].get("room_ms", 0.0),  # of inject_ms
         "evict_ms": last["blocks.evicted"].get("ms", 0.0),
         "prefill_tokens": reply.usage.prompt_tokens,
         "cached_tokens": reply.usage.cached_tokens,
@@ -232,7 +233,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             "read_ms": med(mode, "read_ms"),
                             "inject_ms": med(mode, "inject_ms"),
                             **(
-                                {"evict_ms": med(mode, "evict_ms")}
+                                {"evict_ms": med(mode, "evict_ms"), "room_ms": med(mode, "room_ms")}
                                 if "evict_ms" in first[mode]
                                 else {}
                             ),

@@ -61,6 +61,10 @@ def snapshot(path: Path) -> dict[str, bytes]:
     }
 
 
+#: Blocks for one of the two agents of the room test (4 layers), not both.
+POOL_FOR_ONE = 10
+
+
 def no_pickle(*args: Any, **kwargs: Any) -> None:
     raise AssertionError("pickle was used")
 
@@ -804,3 +808,36 @@ async def test_a_restored_cache_too_large_beside_its_turn_gives_way_to_a_fresh_s
         with pytest.raises(ContextLengthError, match="more than the whole pool of 6"):
             await rt.agents["a0"].ask("Turn 3?")
         assert (await rt.stats()).pool.used_blocks == 0  # its cache made way, and the turn
+
+
+async def test_a_restore_into_a_full_pool_says_how_long_making_room_took(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    # A pool that holds one of the two agents: each restore from host memory first
+    # moves the other agent out, inside the restore.
+    trace = tmp_path / "run.jsonl"
+    async with Runtime(
+        tiny_dir, pool_blocks=POOL_FOR_ONE, host_bytes=1 << 26, log_level="off", trace=trace
+    ) as rt:
+        for name in ("ann", "bob"):
+            await rt.spawn(name, system=f"You are {name}. " + "Go on. " * 40, max_tokens=8)
+        for turn in range(3):
+            for name in ("ann", "bob"):
+                await rt.agent(name).ask(question(name, turn))
+        stats = await rt.stats()
+    assert stats.memory_restores >= 2
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    inside: list[float] | None = None
+    made_room = 0
+    for e in events:
+        if e["event"] == "blocks.read" and e["source"] == "memory":
+            inside = []  # logged as the restore starts
+        elif e["event"] == "blocks.evicted" and inside is not None:
+            inside.append(e["ms"])
+        elif e["event"] == "blocks.restored":
+            assert 0 <= e["room_ms"] <= e["ms"]
+            if inside:  # at least the evictions inside it (each rounded to 0.01 ms)
+                assert e["room_ms"] >= sum(inside) - 0.01 * len(inside)
+                made_room += 1
+            inside = None
+    assert made_room >= 2

@@ -23,7 +23,7 @@ import attrs
 
 from ...errors import CacheReconstructionError, PoolExhaustedError
 from ..engine._solo import KeptCaches
-from ..kv._pool import AgentBlocks, BlockPool, KVBlock
+from ..kv._pool import AgentBlocks, BlockPool, KVBlock, Reservation
 from ..kv._prefix import PrefixIndex
 from ._host import HostCaches
 from ._image import CacheImage, make_blocks, stored_ids, take_image
@@ -376,12 +376,19 @@ class CacheManager:
                 f"the saved cache of agent {agent!r} holds {len(image.tokens)} tokens that "
                 f"are not the {len(entry.tokens)} its index names"
             )
+        room = 0.0  # seconds spent getting the pool's room (moving other caches out)
+
+        def reserve(n: int) -> Reservation:
+            nonlocal room
+            began = time.perf_counter()
+            try:
+                reservation: Reservation = self.with_room(agent, lambda: self.pool.reserve(n))
+                return reservation
+            finally:
+                room += time.perf_counter() - began
+
         blocks = make_blocks(
-            self.pool,
-            image,
-            lambda n: self.with_room(agent, lambda: self.pool.reserve(n)),
-            index=self._index,
-            namespace=entry.namespace,
+            self.pool, image, reserve, index=self._index, namespace=entry.namespace
         )
         entry.blocks = blocks
         if self._persistent:
@@ -394,6 +401,7 @@ class CacheManager:
             blocks=blocks.num_blocks,
             bytes=image.nbytes,
             ms=round((time.perf_counter() - started) * 1e3, 2),
+            room_ms=round(room * 1e3, 2),
             pool_used=self.pool.used_blocks,
         )
 
