@@ -97,6 +97,7 @@ async def measure_batched(
     new: int,
     repeats: int,
     trace: Path | None,
+    decode_kernel: bool = True,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Both batched modes, interleaved, ``repeats`` times each, after a run of each that
     is not counted (it compiles the kernels for the shapes each mode makes, and sets the
@@ -112,6 +113,7 @@ async def measure_batched(
         log_level="warning",
         trace=trace,
         share_prefixes=False,
+        decode_kernel=decode_kernel,
     ) as rt:
         await through_actors(rt, jobs, new, -1)
         through_batch_generator(model, tokenizer, prompts, new)
@@ -119,6 +121,11 @@ async def measure_batched(
             actor_runs.append(await through_actors(rt, jobs, new, r))
             raw_runs.append(through_batch_generator(model, tokenizer, prompts, new))
     return actor_runs, raw_runs
+
+
+def unlike(a: dict[str, Any], b: dict[str, Any]) -> int:
+    """How many prompts' replies differ between two runs."""
+    return sum(x != y for x, y in zip(a["outputs"], b["outputs"], strict=True))
 
 
 def median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -201,6 +208,11 @@ def main() -> None:
     parser.add_argument("--no-sequential", action="store_true", help="skip the slow baseline")
     parser.add_argument("--trace", type=Path, help="also write the actors' trace: NAME-N.jsonl")
     parser.add_argument(
+        "--no-decode-kernel",
+        action="store_true",
+        help="Runtime(decode_kernel=False): on CUDA, mlx-lm's masked attention in the batch",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=3,
@@ -219,7 +231,15 @@ def main() -> None:
         prompts = [t for _, _, t in jobs]
         trace = args.trace and args.trace.with_name(f"{args.trace.stem}-{n}{args.trace.suffix}")
         actor_runs, raw_runs = anyio.run(
-            measure_batched, path, model, tokenizer, jobs, args.new_tokens, args.repeats, trace
+            measure_batched,
+            path,
+            model,
+            tokenizer,
+            jobs,
+            args.new_tokens,
+            args.repeats,
+            trace,
+            not args.no_decode_kernel,
         )
         actors, raw = median_run(actor_runs), median_run(raw_runs)
         seq = (
@@ -233,6 +253,7 @@ def main() -> None:
             # prompt tokens a model call runs), so outputs of differently formed
             # batches may differ, mlx-lm's own among them; on a CPU in float32 they match.
             "actors_outputs_equal_batch_generator": actors["outputs"] == raw["outputs"],
+            "actors_replies_unlike_batch_generator": unlike(actors, raw),
             # mlx-lm's single stream, the oracle (None: not run, --no-sequential).
             "sequential_outputs_equal_batch_generator": None
             if seq is None
@@ -240,12 +261,12 @@ def main() -> None:
             "actors_outputs_equal_sequential": None
             if seq is None
             else actors["outputs"] == seq["outputs"],
-            "actors_replies_unlike_sequential": None
-            if seq is None
-            else sum(a != s for a, s in zip(actors["outputs"], seq["outputs"], strict=True)),
+            "actors_replies_unlike_sequential": None if seq is None else unlike(actors, seq),
+            "batch_generator_replies_unlike_sequential": None if seq is None else unlike(raw, seq),
             "batch_generator_outputs_equal_with_one_prefill_group": together["outputs"]
             == raw["outputs"],
             "actors_outputs_equal_one_prefill_group": actors["outputs"] == together["outputs"],
+            "actors_replies_unlike_one_prefill_group": unlike(actors, together),
         }
         for name, result in (("mlx_actors", actors), ("batch_generator", raw), ("sequential", seq)):
             if result is not None:
@@ -273,6 +294,7 @@ def main() -> None:
                 "mlx": mx.__version__,
                 "prompt_tokens": args.prompt_tokens,
                 "new_tokens": args.new_tokens,
+                "decode_kernel": not args.no_decode_kernel,
                 "runs": runs,
             },
             indent=2,

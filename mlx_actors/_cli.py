@@ -145,6 +145,12 @@ def _serve_parser(commands: Any) -> None:
         help="decode from the pool's blocks: less memory, slower steps on long histories",
     )
     runtime.add_argument(
+        "--no-decode-kernel",
+        action="store_true",
+        help="on a CUDA GPU, decode batches with mlx-lm's masked attention (every step's "
+        "logits raw BatchGenerator's bit for bit) instead of the faster kernel",
+    )
+    runtime.add_argument(
         "--cudnn-attention",
         action="store_true",
         help="on a CUDA GPU, prefill with MLX's cuDNN attention (off unless "
@@ -195,6 +201,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "kv_group_size": args.kv_group_size,
         "dequantize": args.dequantize,
         "paged_batch": args.paged_batch,
+        "decode_kernel": not args.no_decode_kernel,
         "compile_kernels": True,  # a server lives long: no step waits for a compiler
         "share_prefixes": not args.no_share_prefixes,
         "state_dir": args.state_dir,

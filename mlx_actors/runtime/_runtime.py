@@ -95,6 +95,13 @@ class Runtime:
             copy of each in the batch's cache: about one copy of the histories less at
             the peak, for a slower decoding step (each step puts every layer's keys and
             values together again). See the memory guide.
+        decode_kernel: on a CUDA GPU, turns decoding together attend each over its
+            own history with the project's kernel (MLX's vector attention, a row at a
+            time: 2-4x faster than attending over the batch's padding, and each row's
+            attention bit for bit what MLX computes for that row alone). ``False``:
+            mlx-lm's masked attention, so that every decoding step's logits are raw
+            ``BatchGenerator``'s bit for bit (bf16 rounding differs between the two,
+            which can flip a token where two logits tie). Nothing elsewhere.
         compile_kernels: on a CUDA GPU, compile every custom kernel the caches may
             launch (the gather for each number of blocks, the quantization kernels)
             when the runtime starts: about 2 s each, 13-20 s in all on an H100. Without
@@ -133,6 +140,7 @@ class Runtime:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         paged_batch: bool = False,
+        decode_kernel: bool = True,
         compile_kernels: bool = False,
         eviction: str = "next-use",
     ) -> None:
@@ -186,6 +194,7 @@ class Runtime:
             share_prefixes=bool(share_prefixes),
             kv_quantization=self._kv,
             paged_batch=bool(paged_batch),
+            decode_kernel=bool(decode_kernel),
             compile_kernels=bool(compile_kernels),
             eviction=eviction,
         )

@@ -8,17 +8,21 @@ import random
 import sys
 from typing import Any
 
+import anyio
 import mlx.core as mx
 import pytest
 from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mlx_actors import Runtime
 from mlx_actors.scheduler import BlockPool, BlockPoolBatchEngine
 from mlx_actors.scheduler.caches import _attention, _decode_kernel
 from mlx_actors.scheduler.caches._global import GlobalBatchKVCache
 from mlx_actors.testing import tiny_config, write_random_model
 
-from ..conftest import INIT_SCALE, Loaded, load, reference
+from ..conftest import INIT_SCALE, Loaded, asyncio_only, load, reference, render
+
+anyio_backend = asyncio_only()
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -77,6 +81,52 @@ def test_batches_attending_from_row_starts_match_mlx_lm(
     assert padded, "no batch of rows of different lengths attended through the cache"
     for starts, lengths, tokens in spans:
         assert all(s + n == tokens for s, n in zip(starts, lengths, strict=True))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("decode_kernel", [True, False])
+async def test_without_the_decode_kernel_a_batch_attends_as_mlx_lms_batch_generator(
+    heads64: Loaded, monkeypatch: pytest.MonkeyPatch, decode_kernel: bool
+) -> None:
+    """Three agents asked at once decode as one batch. By default each decoding step's
+    attention goes through the batch cache (by rows, as the kernel attends on a GPU);
+    with ``Runtime(decode_kernel=False)`` none does: mlx-lm's masked attention runs, as
+    in its ``BatchGenerator``. The replies are mlx-lm's either way."""
+    rows: list[int] = []
+
+    def by_rows(
+        q: mx.array, k: mx.array, v: mx.array, starts: Any, lengths: Any, scale: float
+    ) -> mx.array:
+        rows.append(int(q.shape[0]))
+        return _decode_kernel.attend_with_ops(q, k, v, starts, lengths, scale)
+
+    monkeypatch.setattr(_decode_kernel, "runs", lambda *args: True)  # as on a GPU
+    monkeypatch.setattr(_decode_kernel, "attend", by_rows)
+    asks = ["Hello there.", "Tell me about the sea and its tides.", "Why?"]
+    async with Runtime(
+        heads64.path,
+        pool_blocks=400,
+        log_level="off",
+        admission_window=1.0,  # the three turns start as one batch
+        decode_kernel=decode_kernel,
+    ) as rt:
+        agents = [await rt.spawn(f"a{i}", system="Be brief.", max_tokens=12) for i in range(3)]
+        replies: dict[int, Any] = {}
+
+        async def ask(i: int) -> None:
+            replies[i] = await agents[i].ask(asks[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(ask, i)
+        together = (await rt.stats()).max_batch_size
+    eos = heads64.tokenizer.eos_token_ids
+    for i, text in enumerate(asks):
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+        want = reference(heads64.model, render(heads64.tokenizer, messages), 12, stop=eos)
+        assert list(replies[i].tokens) == want
+    assert together == 3
+    assert (max(rows, default=0) >= 2) is decode_kernel
 
 
 def test_mlx_lms_caches_keep_mlx_lms_attention(tiny: Loaded) -> None:

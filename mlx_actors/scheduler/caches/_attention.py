@@ -9,12 +9,17 @@ mask, sinks)``, imported by name into each model's module. :func:`install` puts
 process; a module's other names are left alone). :func:`attention` asks the layer's cache
 first (a cache with an ``attend`` method, :class:`RowStarts`) and otherwise, or when
 the cache declines, calls mlx-lm's function unchanged: models and caches that are not ours
-compute exactly what they did.
+compute exactly what they did. Inside :func:`masked` (an engine run with
+``decode_kernel=False``) the batch caches decline on that thread: every decoding step then
+computes what mlx-lm's ``BatchGenerator`` computes, bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -23,6 +28,19 @@ from mlx_lm.models import base
 from . import _decode_kernel
 
 _MLX_LM_ATTENTION = base.scaled_dot_product_attention
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def masked(on: bool = True) -> Iterator[None]:
+    """With ``on``, batch caches leave attention to mlx-lm's masked path inside this block
+    (on this thread)."""
+    before = getattr(_local, "masked", False)
+    _local.masked = on
+    try:
+        yield
+    finally:
+        _local.masked = before
 
 
 def attention(
@@ -84,6 +102,8 @@ class RowStarts:
         self, queries: mx.array, keys: mx.array, values: mx.array, scale: float
     ) -> mx.array | None:
         """The attention of one new token per row, or ``None`` (use mlx-lm's)."""
+        if getattr(_local, "masked", False):
+            return None
         if self._right_padding is not None or not _decode_kernel.usable(
             queries, keys, values, scale
         ):

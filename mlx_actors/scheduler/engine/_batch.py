@@ -14,6 +14,7 @@ import attrs
 from mlx.nn.layers.base import Module
 from mlx_lm.generate import BatchGenerator
 
+from ..caches import _attention
 from ..kv._blocks import make_cache, over_blocks, to_cache
 from ..kv._spec import BLOCK_SIZE, ModelCacheSpec
 from ._buffers import keeping
@@ -57,6 +58,8 @@ class Batch:
         pacing: the prefill rate, recorded as prompts run.
         eos: the tokens that end a sequence.
         paged: sequences in the batch read their histories from the blocks.
+        decode_kernel: decoding rows attend through the batch cache where it can (on
+            a CUDA GPU, the decode kernel); ``False``: mlx-lm's masked attention.
         prefill_step_size: most prompt tokens per sequence in one generator step.
         generator_options: the ``BatchGenerator``'s keyword arguments.
     """
@@ -71,6 +74,7 @@ class Batch:
         eos: frozenset[int],
         *,
         paged: bool = False,
+        decode_kernel: bool = True,
         prefill_step_size: int,
         generator_options: dict[str, Any],
     ) -> None:
@@ -81,6 +85,7 @@ class Batch:
         self.pacing = pacing
         self._eos = eos
         self._paged = paged
+        self._decode_kernel = decode_kernel
         self._prefill_step_size = prefill_step_size
         self._generator_options = generator_options
         self._generator = BatchGenerator(model, **generator_options)
@@ -247,7 +252,8 @@ class Batch:
                 share = max(1, budget // len(left))
                 share = 1 << (share.bit_length() - 1)  # few distinct shapes (see Pacing)
                 self._generator.prefill_step_size = min(self._prefill_step_size, share)
-            with keeping():  # mlx-lm would empty MLX's buffer cache (see _buffers)
+            # mlx-lm would empty MLX's buffer cache (see _buffers)
+            with keeping(), _attention.masked(not self._decode_kernel):
                 work.prompts, work.responses = self._generator.next()
         if self.solo is not None:
             seq, run = self.solo

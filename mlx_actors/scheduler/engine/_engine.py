@@ -88,6 +88,12 @@ class BlockPoolBatchEngine:
             pool's blocks, put together a layer at a time as attention needs them,
             instead of holding a copy in the batch's cache
             (:class:`~..caches._paged.PagedBatchKVCache`).
+        decode_kernel: on a CUDA GPU, a batch's decode step attends over each row's
+            own span with the project's kernel (:mod:`~..caches._decode_kernel`: each
+            row's attention is MLX's on that row alone, bit for bit); ``False``:
+            mlx-lm's attention with the padding mask, as its ``BatchGenerator`` runs it,
+            so that every step's logits are raw ``BatchGenerator``'s bit for bit.
+            Nothing changes elsewhere (no kernel runs there).
         step_seconds: how long one step's prefill should take, at most: the prompt
             tokens a step runs follow the prefill rate measured (:class:`Pacing`), so
             that cancels, timeouts and new turns wait for a short step on any machine.
@@ -114,6 +120,7 @@ class BlockPoolBatchEngine:
         min_shared: int = 64,
         long_prefill: int = 1024,
         paged_batch: bool = False,
+        decode_kernel: bool = True,
         step_seconds: float = 0.25,
         index: PrefixIndex | None = None,
         kept_caches: KeptCaches | None = None,
@@ -186,6 +193,7 @@ class BlockPoolBatchEngine:
             self.pacing,
             eos,
             paged=paged_batch,
+            decode_kernel=decode_kernel,
             prefill_step_size=prefill_step_size,
             generator_options=dict(
                 completion_batch_size=max_batch_size,

@@ -79,6 +79,7 @@ class Scheduler:
         host_bytes: int | None = None,
         kv_quantization: KVQuantization | None = None,
         paged_batch: bool = False,
+        decode_kernel: bool = True,
         compile_kernels: bool = False,
         eviction: str = "next-use",
         log: Any = None,
@@ -94,6 +95,7 @@ class Scheduler:
             host_bytes=host_bytes,
             kv_quantization=kv_quantization,
             paged_batch=paged_batch,
+            decode_kernel=decode_kernel,
             compile_kernels=compile_kernels,
             eviction=eviction,
         )

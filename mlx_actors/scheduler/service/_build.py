@@ -40,6 +40,8 @@ class EngineOptions:
     kv_quantization: KVQuantization | None
     #: Decoding rows read their histories from the pool's blocks.
     paged_batch: bool = False
+    #: A batch's decode attention through the project's kernel (on a CUDA GPU).
+    decode_kernel: bool = True
     #: Compile every custom CUDA kernel the caches may launch before the first turn.
     compile_kernels: bool = False
     #: How an idle cache is chosen to leave the pool (``EVICTION_POLICIES``).
@@ -93,6 +95,7 @@ def build_loop(
         prefill_step_size=options.prefill_step_size,
         share_prefixes=options.share_prefixes,
         paged_batch=options.paged_batch,
+        decode_kernel=options.decode_kernel,
         index=index,
         kept_caches=kept,
         make_room=caches.make_room,
