@@ -129,7 +129,7 @@ class Envelope:
         self.senders = self.agent._check_outside()
         self.sent = True
         if self.kind in ("ask", "respond"):
-            self.agent._scheduler.announce(1)
+            self.agent._scheduler.asked()
             self.announced = True
         if self.timeout is not None:
             self.deadline = anyio.current_time() + self.timeout

@@ -19,7 +19,7 @@ from typing_extensions import Unpack
 
 from ..actors import Agent, Message, Tool, TurnSettings, running_here
 from ..errors import InvalidRequestError, RuntimeClosedError
-from ..scheduler import EVICTION_POLICIES, KVQuantization, Scheduler
+from ..scheduler import EVICTION_POLICIES, Expected, KVQuantization, Scheduler
 from ._keeping import AgentKeeper
 from ._models import check_model, load_model
 from ._registry import Registry, check_spawn
@@ -342,6 +342,17 @@ class Runtime:
             raise RuntimeClosedError("the runtime has shut down (its `async with` block ended)")
         if self._tg is None:
             raise RuntimeClosedError("the runtime is not running; use `async with Runtime()`")
+
+    def expect(self) -> Expected:
+        """Count a turn that is on its way but not asked yet, as a server does for a
+        request it has begun to receive: an idle engine that receives a turn meanwhile
+        waits for it within ``admission_window`` (as for turns already asked), so that
+        requests sent together start in one batch. The next turn asked in this task (or
+        a task it starts) takes its place; call ``close()`` on what this returns once
+        the request is answered or refused (a no-op if a turn took its place).
+        """
+        self._check_running()
+        return self._scheduler.expect()
 
     @property
     def token(self) -> anyio.lowlevel.EventLoopToken | None:

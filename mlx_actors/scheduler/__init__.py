@@ -45,6 +45,7 @@ from .residency._image import BlockEntry as BlockEntry
 from .residency._image import CacheImage as CacheImage
 from .residency._manager import EVICTION_POLICIES as EVICTION_POLICIES
 from .service._actor import Scheduler as Scheduler
+from .service._coming import Expected as Expected
 from .service._protocol import CacheStore as CacheStore
 from .service._protocol import SchedulerStatistics as SchedulerStatistics
 from .service._protocol import Turn as Turn

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from ..actors import Agent, Reply
 from ..actors._tool_format import tool_format
 from ..errors import InvalidRequestError
-from ..runtime import Runtime
+from ..runtime import Expected, Runtime
 from . import _anthropic as anthropic
 from . import _fields as f
 from . import _openai as openai
@@ -80,10 +80,12 @@ class Writer:
 class Exchange:
     """A response that runs a turn while it watches the client: one that leaves (or
     whose connection drops) cancels the turn at once, not at the next write, and the
-    agent undoes it."""
+    agent undoes it. ``expected`` (the request counted as a turn on its way since it
+    arrived) is closed when it ends, if its turn did not take its place."""
 
-    def __init__(self, run: Callable[[Writer], Awaitable[None]]) -> None:
+    def __init__(self, run: Callable[[Writer], Awaitable[None]], expected: Expected) -> None:
         self._run = run
+        self._expected = expected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -101,6 +103,8 @@ class Exchange:
             # The server cancelled the request (its grace after Ctrl-C ran out): the
             # turn is undone; the request ends here rather than as an error in its log.
             return
+        finally:
+            self._expected.close()
 
 
 class Server:
@@ -155,26 +159,41 @@ class Server:
     # -- the turns ------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Any:
+        expected = None
         try:
+            expected = self._expect(request)
             body = await self._body(request)
             parsed = openai.parse(body, session=_session(request), max_tokens=self._max_tokens)
             self._check_model(parsed.model)
             self._note_ignored(openai.ignored(body))
         except Exception as exc:
+            if expected is not None:
+                expected.close()
             return self._refusal(exc, "openai", openai.error)
         answer = openai.Answer(parsed, self.runtime.token_texts)
-        return Exchange(lambda writer: self._turn(parsed.chat, answer, writer))
+        return Exchange(lambda writer: self._turn(parsed.chat, answer, writer), expected)
 
     async def messages(self, request: Request) -> Any:
+        expected = None
         try:
+            expected = self._expect(request)
             body = await self._body(request)
             parsed = anthropic.parse(body, session=_session(request))
             self._check_model(parsed.model)
             self._note_ignored(anthropic.ignored(body))
         except Exception as exc:
+            if expected is not None:
+                expected.close()
             return self._refusal(exc, "anthropic", anthropic.error)
         answer = anthropic.Answer(parsed.model)
-        return Exchange(lambda writer: self._turn(parsed.chat, answer, writer))
+        return Exchange(lambda writer: self._turn(parsed.chat, answer, writer), expected)
+
+    def _expect(self, request: Request) -> Expected:
+        """An authorized request is a turn on its way from now (its body still coming,
+        then parsed and rendered): the engine, if idle, waits for it within its
+        admission window, so requests sent together start in one batch."""
+        self._authorize(request)
+        return self.runtime.expect()
 
     async def _turn(self, chat: Chat, answer: Answer, writer: Writer) -> None:
         """Answer ``chat`` as its session's turn; any failure as the API's error."""
@@ -329,8 +348,7 @@ class Server:
             )
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        """The request's JSON body, once the key is checked; no bigger than the limit."""
-        self._authorize(request)
+        """The request's JSON body (its key checked before); no bigger than the limit."""
         too_big = ApiError(
             413,
             f"the request body is larger than {self._max_body:,} bytes (--max-body-bytes)",

@@ -294,7 +294,7 @@ async def test_a_sender_waiting_on_a_closed_agents_mailbox_is_no_longer_expected
                 assert fay.statistics().senders_waiting == 1
                 await fay.close()
         assert len(errors) == 2
-        assert rt._scheduler._coming == 0  # nothing announced is still expected
+        assert rt._scheduler._coming.count == 0  # nothing announced is still expected
 
 
 async def test_leaving_the_runtime_fails_waiting_callers_and_returns_every_block(

@@ -4,6 +4,7 @@ keys, body limits, metrics and the ``serve`` command."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -190,6 +191,52 @@ async def test_bodies_over_the_limit_and_unknown_paths_are_refused(tiny: Loaded)
         status, data = await fetch(f"{server.url}/v1/completions", "POST", b"{}")
         assert status == 404 and json.loads(data)["error"]["type"] == "invalid_request_error"
         assert not rt.agents
+        assert rt._scheduler._coming.count == 0  # no refused request is still expected
+
+
+async def test_a_request_still_arriving_holds_back_one_sent_after_it(tiny: Loaded) -> None:
+    """A request counts as a turn on its way from its headers on: a request sent whole
+    while the first one's body is still arriving waits for it (within the admission
+    window) instead of starting alone, and the two start as one batch."""
+    async with runtime(tiny.path, admission_window=1.0) as rt, serving(rt) as server:
+        coming = rt._scheduler._coming
+        slow_ask = [{"role": "user", "content": "Slow?"}]
+        body = json.dumps({"model": model(rt), "messages": slow_ask, "max_tokens": 1}).encode()
+        host, port = server.url.removeprefix("http://").split(":")
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        seen: list[int] = []
+
+        async def until(counts: list[int]) -> None:
+            """Until the count of turns on their way has gone through ``counts``."""
+            with anyio.fail_after(60):
+                while seen[-len(counts) :] != counts:
+                    if not seen or seen[-1] != coming.count:
+                        seen.append(coming.count)
+                    await anyio.sleep(0.001)
+
+        async def ask() -> None:
+            reply = await server.openai.chat.completions.create(
+                model=model(rt), messages=HELLO, max_tokens=1
+            )
+            assert reply.usage is not None and reply.usage.completion_tokens == 1
+
+        async with await anyio.connect_tcp(host, int(port)) as slow:
+            await slow.send(head + body[:10])
+            await until([1])  # the first request, its body not whole yet
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask)
+                await until([1, 2, 1])  # the second one came and was handed to the engine
+                await slow.send(body[10:])
+                answer = b""
+                with contextlib.suppress(anyio.EndOfStream):  # the whole response
+                    while True:
+                        answer += await slow.receive()
+        assert answer.startswith(b"HTTP/1.1 200")
+        assert (await rt.stats()).max_batch_size == 2  # the two decoded together
+        assert coming.count == 0
 
 
 async def test_metrics_count_turns_tokens_and_sessions(tiny: Loaded) -> None:

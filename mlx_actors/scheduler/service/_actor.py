@@ -20,6 +20,7 @@ from ..kv._pool import AgentBlocks
 from ..kv._spec import ModelCacheSpec
 from ..residency._image import CacheImage
 from ._build import EngineOptions, build_loop, max_text_chars
+from ._coming import Coming, Expected
 from ._deliveries import Deliveries
 from ._disk import DiskWork
 from ._loop import EngineLoop, Outbox
@@ -108,9 +109,8 @@ class Scheduler:
         self._token: EventLoopToken | None = None
         self._disk = DiskWork(store, self._put, log=self._log)
         self._deliveries = Deliveries(self._disk, log=self._log)
-        #: Turns asked whose agents have not yet sent them (read by the engine thread;
-        #: changed only on the event loop).
-        self._coming = 0
+        #: Turns on their way (read by the engine thread; changed only on the event loop).
+        self._coming = Coming()
         self.model: Any = None
         self.tokenizer: Any = None
         self.spec: ModelCacheSpec | None = None
@@ -202,7 +202,15 @@ class Scheduler:
     def announce(self, turns: int) -> None:
         """Say that ``turns`` more turns are on their way (negative: that they came, or
         will not): an idle engine that receives a turn waits a moment for those."""
-        self._coming += turns
+        self._coming.announce(turns)
+
+    def asked(self) -> None:
+        """A turn was asked: on its way (see :meth:`Coming.asked`)."""
+        self._coming.asked()
+
+    def expect(self) -> Expected:
+        """A turn not asked yet is on its way (see :meth:`Coming.expect`)."""
+        return self._coming.expect()
 
     async def run_turn(
         self, turn: Turn, *, sent: Callable[[], None] | None = None
@@ -375,7 +383,7 @@ class Scheduler:
             persistent_store=self._disk.store.persistent,
             commands=self._commands,
             deliver=self._deliver_from_thread,
-            coming=lambda: self._coming,
+            coming=lambda: self._coming.count,
             log=self._log,
         )
         spec = loop.pool.spec
