@@ -38,6 +38,31 @@ def test_the_budget_follows_the_measured_rate() -> None:
     assert pacing.budget() == 4096
 
 
+def test_a_calibrated_engine_prefills_its_first_prompts_whole(tiny: Loaded) -> None:
+    """Measured before the first turn (as on a GPU, where the runtime does it at start),
+    the rate sets the budget: four prompts asked together are prefilled in the first
+    step, whole, where the cautious start budget (128 tokens) would cut them into
+    chunks; and the replies are mlx-lm's."""
+    pool = BlockPool(tiny.spec, total_blocks=400)
+    engine = BlockPoolBatchEngine(tiny.model, tiny.tokenizer, pool)
+    assert engine.pacing.budget() == engine.pacing.start
+    budget = engine.calibrate_pacing()
+    assert budget == engine.pacing.budget() >= 4 * engine.pacing.start
+    prompts = [prompt(100 + 10 * i, 20 + i) for i in range(4)]
+    uids = [engine.submit(f"a{i}", p, max_tokens=N) for i, p in enumerate(prompts)]
+    done = {r.uid: r for r in engine.step()}
+    assert engine.last_step is not None
+    # every prompt token but each last one, which starts the sequence's decoding
+    assert engine.last_step.prefill_tokens == sum(len(p) - 1 for p in prompts)
+    done.update(run_to_completion(engine))
+    eos = tiny.tokenizer.eos_token_ids
+    for uid, p in zip(uids, prompts, strict=True):
+        assert list(done[uid].tokens) == reference(tiny.model, p, N, stop=eos)
+        engine.release(done[uid].blocks)
+    assert pool.used_blocks == 0
+    engine.close()
+
+
 def test_a_short_rest_of_a_prompt_goes_with_the_chunk_before_it() -> None:
     assert chunk(1024, 1043) == 1043  # 19 left over: not a call (and a shape) of its own
     assert chunk(1024, 1300) == 1024  # 276 left over: more than a quarter

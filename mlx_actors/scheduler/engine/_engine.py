@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import mlx.core as mx
 from mlx.nn.layers.base import Module
 
 from ...errors import (
@@ -19,6 +20,7 @@ from ...errors import (
 from ..caches import _attention
 from ..kv._blocks import (
     evaluate,
+    make_cache,
 )
 from ..kv._pool import AgentBlocks, BlockPool
 from ..kv._prefix import PrefixIndex
@@ -412,6 +414,18 @@ class BlockPoolBatchEngine:
         """Give an ``AgentBlocks``'s references back to the pool."""
         if blocks is not None:
             self.pool.free(blocks.blocks())
+
+    def calibrate_pacing(self) -> int:
+        """Measure this machine's prefill rate on a throwaway cache (:meth:`Pacing.calibrate`)
+        so that the first turns are paced by it; returns the budget it gives."""
+
+        def prefill(tokens: int) -> None:
+            cache = make_cache(self.spec)
+            self.model(mx.zeros((1, tokens), dtype=mx.int32), cache=cache)
+            mx.eval([c.state for c in cache])
+
+        self.pacing.calibrate(prefill)
+        return self.pacing.budget()
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(

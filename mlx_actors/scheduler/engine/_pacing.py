@@ -10,6 +10,9 @@ in ``target`` seconds, between ``floor`` and ``ceiling``.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 
 class Pacing:
     """The prompt-token budget of one step, from the measured prefill rate.
@@ -31,6 +34,19 @@ class Pacing:
         #: Tokens a step may prefill, before rounding (see :meth:`budget`).
         self.tokens = start
         self._over = False
+
+    def calibrate(self, prefill: Callable[[int], object], runs: int = 2) -> None:
+        """Measure the rate before the first turn: time ``prefill`` (the model run on
+        that many prompt tokens, evaluated) on :attr:`start` tokens ``runs`` times and
+        record the last (the first of a shape may compile kernels). On a fast machine
+        the first turns then run whole rather than in chunks of the cautious start
+        budget; on a slow one nothing changes."""
+        seconds = 0.0
+        for _ in range(runs):
+            began = time.perf_counter()
+            prefill(self.start)
+            seconds = time.perf_counter() - began
+        self.record(self.start, seconds)
 
     def budget(self) -> int:
         """Prompt tokens the next step may run: a power of two. Every new chunk length

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import mlx.core as mx
 
 from ..caches import _attention, _gather, _quantize_kernels
 from ..caches._quantized import KVQuantization
@@ -100,6 +101,10 @@ def build_loop(
         kept_caches=kept,
         make_room=caches.make_room,
     )
+    if mx.default_device().type == mx.DeviceType.gpu:
+        # A GPU prefills thousands of tokens in a step's time: paced from the cautious
+        # start, a process's first turns would run in chunks of a few tokens each.
+        engine.calibrate_pacing()
     log.info(
         "scheduler.started",
         layers=spec.num_layers,
@@ -108,6 +113,7 @@ def build_loop(
         pool_bytes=pool.budget_bytes,
         max_batch_size=options.max_batch_size,
         kernels_ms=round(kernels_ms, 1),
+        prefill_budget=engine.pacing.budget(),
         **_kv_fields(spec.quantization),
     )
     return EngineLoop(
