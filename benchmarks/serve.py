@@ -725,10 +725,11 @@ def main() -> None:
 
 def bare_decode_rates(model_dir: Path, prefix_tokens: int) -> dict[str, float]:
     """mlx-lm's bare ``BatchGenerator`` on the prefix workload's eight sequences, in a
-    process of its own (on a 2-core CPU the same decode ran 20-40% slower in the
-    benchmark's process, after its client, than in a fresh one). On a CUDA GPU twice:
-    with MLX's cuDNN attention (its default) and without (as ``mlx-actors serve`` runs),
-    since decoding on long caches may take either."""
+    process of its own, as the server runs. On a CUDA GPU twice: with MLX's cuDNN
+    attention (its default) and without (as ``mlx-actors serve`` runs), since decoding on
+    long caches may take either. On a shared CPU the machine's own speed drifts by a
+    fifth or more within minutes, and this runs after the servers: one run's ratio of a
+    server's decoding to it carries that drift."""
     import mlx.core as mx
 
     rates = {}
