@@ -27,7 +27,9 @@ Workloads (``--workloads``):
   serve`` runs it). The first burst's spread and slowest first token are reported beside
   them: its requests open the client's connections (one is already open from the warm-up
   request, so that one may arrive first), and its shapes run for the first time in the
-  server's process.
+  server's process. ``--prefix-rounds K`` times K bursts after the first, with the bare
+  decode measured in its own process after each: K paired ratios and their median, the
+  figure to read on a machine whose speed drifts between runs (a shared CPU).
 
 Figures: session completion time (mean, p95), time to first token (p50, p95), tokens
 prefilled against the least a server that keeps every session's cache would prefill,
@@ -58,6 +60,7 @@ import threading
 import time
 import urllib.request
 import zipfile
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -522,16 +525,22 @@ async def run_prefix(
     prefix_tokens: int,
     streams: int,
     new_tokens: int,
+    rounds: int = 1,
+    bare: Callable[[], dict[str, float]] | None = None,
 ) -> dict[str, Any]:
-    """Two bursts of ``streams`` new sessions on the warm prefix, one after the other: the
+    """Bursts of ``streams`` new sessions on the warm prefix, one after the other: the
     figures are the second's (a server that has served such a burst before); the first
     burst's spread and slowest first token are kept beside them (a server process's
-    first burst of these shapes)."""
+    first burst of these shapes). With ``rounds`` above one, ``rounds`` timed bursts
+    follow the first, and ``bare`` (mlx-lm's bare decode, in a process of its own)
+    runs after each: ``rounds`` paired ratios, each of a burst and the bare decode
+    measured right after it, so that the machine's drift weighs on both alike."""
     document = _document(random.Random(2), tokenizer, prefix_tokens)
     system = {"role": "system", "content": document}
     await ask(client, model, "warm", [system, {"role": "user", "content": "Ready?"}], None)
     bursts = []
-    for burst in range(2):
+    pairs: list[dict[str, float]] = []
+    for burst in range(1 + rounds):
         questions = [_question(burst, i) for i in range(streams)]
         records = await asyncio.gather(
             *(
@@ -547,18 +556,31 @@ async def run_prefix(
             )
         )
         bursts.append(records)
-    first, records = bursts
-    # From the first generated text to the last, as the bare decode counts (the end of
-    # the stream, after the usage, would add the server's end of turn).
-    rates = [(x["generated"] - 1) / (x["last_at"] - x["first_at"]) for x in records]
-    return {
+        if burst > 0 and rounds > 1 and bare is not None:
+            pairs.append({"server": _decode_rate(records), **await asyncio.to_thread(bare)})
+    first, records = bursts[0], bursts[1]
+    out = {
         "first_token_spread_ms": _spread_ms(records),
         "ttft_max_s": round(max(x["ttft"] for x in records), 3),
-        "decode_tokens_per_s": round(sum(rates), 1),
+        "decode_tokens_per_s": _decode_rate(records),
         "prefilled": [x["prefilled"] for x in records],
         "first_burst_spread_ms": _spread_ms(first),
         "first_burst_ttft_max_s": round(max(x["ttft"] for x in first), 3),
     }
+    if pairs:
+        key = "bare_batch_decode_tokens_per_s"
+        ratios = [round(x["server"] / x[key], 3) for x in pairs]
+        out["rounds"] = pairs
+        out["decode_over_bare"] = ratios
+        out["decode_over_bare_median"] = round(statistics.median(ratios), 3)
+    return out
+
+
+def _decode_rate(records: list[dict[str, Any]]) -> float:
+    """Tokens/s summed over ``records``, from each one's first generated text to its last,
+    as the bare decode counts (the end of the stream, after the usage, would add the
+    server's end of turn)."""
+    return round(sum((x["generated"] - 1) / (x["last_at"] - x["first_at"]) for x in records), 1)
 
 
 def _question(burst: int, i: int) -> str:
@@ -643,6 +665,13 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=0.25, help="sub-agent contexts (1: 28K)")
     parser.add_argument("--prefix-tokens", type=int, default=8192)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument(
+        "--prefix-rounds",
+        type=int,
+        default=1,
+        help="timed bursts of the prefix workload; above 1, mlx-lm's bare decode is "
+        "measured after each (paired ratios, their median)",
+    )
     parser.add_argument("--workloads", nargs="+", default=["bfcl", "subagents", "prefix"])
     parser.add_argument(
         "--servers",
@@ -800,7 +829,16 @@ async def _drive(
         if "subagents" in args.workloads:
             out["subagents"] = await run_subagents(client, model, tokenizer, args.scale, 3)
         if "prefix" in args.workloads:
-            out["prefix"] = await run_prefix(client, model, tokenizer, args.prefix_tokens, 8, 64)
+            out["prefix"] = await run_prefix(
+                client,
+                model,
+                tokenizer,
+                args.prefix_tokens,
+                8,
+                64,
+                args.prefix_rounds,
+                lambda: bare_decode_rates(Path(model), args.prefix_tokens),
+            )
     return out
 
 
