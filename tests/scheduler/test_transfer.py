@@ -1,16 +1,38 @@
-"""Cache blocks copied to host memory and back (``scheduler/residency/_transfer.py``): bit for bit.
+"""Cache blocks copied to host memory and back (``scheduler/residency/_transfer.py``): bit for bit,
+into slots of host memory that are reused (``_host_memory.py``).
 
-On this machine the copies are MLX's own (``mx.array``, ``np.array``); on MLX's CUDA
-backend the same test runs the CUDA driver's copies, which must give the same bits.
+On this machine the copies are numpy's and MLX's own (``np.copyto``, ``mx.array``); on
+MLX's CUDA backend the same tests run the module's kernels over page-locked memory (and
+the CUDA driver's copies for other host arrays), which must give the same bits.
 """
 
 from __future__ import annotations
+
+import gc
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_actors import Runtime
 from mlx_actors.scheduler.residency import _transfer, to_device, to_host
+from mlx_actors.scheduler.residency._host_memory import HostMemory
+
+
+@pytest.fixture
+def memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostMemory]:
+    """The process's host memory for copies: a fresh one (the CUDA GPU's own, page-locked
+    and kept for the process, on such a machine), with room for a few MB."""
+    memory = _transfer.host_memory()
+    if memory is None or not memory.mapped:
+        memory = HostMemory()
+        monkeypatch.setattr(_transfer, "_memory", [memory])
+    memory.allow(64 << 20)
+    yield memory
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
@@ -72,3 +94,83 @@ def test_many_blocks_of_mixed_sizes_through_several_staging_buffers(
     for h, b in zip(host, to_host(again), strict=True):
         assert b.dtype == h.dtype and b.shape == h.shape
         np.testing.assert_array_equal(b, h + h)
+
+
+def test_copies_go_into_slots_that_come_back_when_the_last_view_is_gone(
+    memory: HostMemory,
+) -> None:
+    rng = np.random.default_rng(5)
+    host = [rng.integers(0, 60_000, (1, 4, 256, 16), dtype=np.uint16) for _ in range(6)]
+    slot = host[0].nbytes  # a power of two: a slot each, exactly
+    device = to_device(host)
+    free, made = memory.free_bytes(), memory.nbytes
+    back = to_host(device)
+    assert all(memory.holds(b) for b in back)
+    assert len({b.ctypes.data for b in back}) == len(back)
+    for i, h in enumerate(host):
+        np.testing.assert_array_equal(back[i], h)
+    taken = memory.free_bytes()
+    assert taken == free + (memory.nbytes - made) - 6 * slot
+    # A view keeps its slot taken; the slot is free again once the view is gone too,
+    # whichever thread lets it go.
+    view = back[0].view(np.uint8)[1:]
+    del back
+    gc.collect()
+    assert memory.free_bytes() == taken + 5 * slot
+    holder = [view]
+    del view
+    thread = threading.Thread(target=holder.clear)
+    thread.start()
+    thread.join()
+    gc.collect()
+    assert memory.free_bytes() == taken + 6 * slot
+    # Copies out again reuse the slabs made: no new memory.
+    made = memory.nbytes
+    again = to_host(device)
+    assert memory.nbytes == made and all(memory.holds(b) for b in again)
+
+
+def test_past_its_limit_host_memory_takes_nothing_and_copies_go_to_fresh_arrays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    memory = HostMemory()
+    memory.allow(64 * 4096)  # one slab of 4 KiB slots
+    first = memory.take([((1024,), np.dtype(np.uint32))] * 60)
+    assert first is not None and memory.nbytes == 64 * 4096
+    assert memory.take([((1024,), np.dtype(np.uint32))] * 5) is None
+    assert memory.take([((8192,), np.dtype(np.uint8))]) is None  # another size: a new slab
+    assert memory.free_bytes() == 4 * 4096  # nothing was taken by the refusals
+    current = _transfer.host_memory()
+    if current is None or not current.mapped:  # (a CUDA GPU's memory is page-locked)
+        monkeypatch.setattr(_transfer, "_memory", [memory])
+        device = [mx.arange(1024, dtype=mx.uint32) for _ in range(5)]
+        mx.eval(device)
+        out = to_host(device)
+        assert not any(memory.holds(o) for o in out)
+        for o in out:
+            np.testing.assert_array_equal(o, np.arange(1024, dtype=np.uint32))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_evictions_reuse_the_same_host_memory(
+    tiny_dir: Path, tmp_path: Path, memory: HostMemory
+) -> None:
+    """Two agents take turns in a pool that holds one: every turn moves the other's cache
+    out to host memory (kept there while the host tier's budget allows, and written to
+    disk) and brings its own back, through slots used again."""
+    trace = tmp_path / "trace.jsonl"
+    brief = "You are {}. " + " ".join(f"rule{i}" for i in range(40))
+    async with Runtime(tiny_dir, pool_blocks=14, log_level="off", trace=trace) as rt:
+        a = await rt.spawn("a", system=brief.format("a"), max_tokens=8)
+        b = await rt.spawn("b", system=brief.format("b"), max_tokens=8)
+        for turn in range(12):
+            await a.ask(f"Question {turn} for a.")
+            await b.ask(f"Question {turn} for b.")
+        await rt.flush()
+        stats = await rt.stats()
+    assert stats.evictions >= 20 and stats.restores >= 20
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    evicted = sum(e["bytes"] for e in events if e["event"] == "blocks.evicted")
+    # Without slots given back, the slabs would hold at least every byte evicted.
+    assert 0 < memory.nbytes < evicted / 2

@@ -20,6 +20,7 @@ from ..engine._solo import kept_for
 from ..kv._pool import BlockPool
 from ..kv._prefix import PrefixIndex
 from ..kv._spec import LayerKind, ModelCacheSpec
+from ..residency import _transfer
 from ..residency._host import HostCaches
 from ..residency._manager import CacheManager
 from ._events import Evicted
@@ -75,6 +76,9 @@ def build_loop(
         pool = BlockPool.from_bytes(spec, budget, on_release=index.detach)
     host = options.host_bytes
     host_caches = HostCaches(pool.budget_bytes // 2 if host is None else host)
+    memory = _transfer.host_memory()
+    if memory is not None:  # what the host tier keeps, and caches on their way to disk
+        memory.allow(host_caches.budget + pool.budget_bytes // 8)
     kept = kept_for(pool)
     outbox: Outbox = []
     caches = CacheManager(
@@ -133,6 +137,7 @@ def _compile_kernels(spec: ModelCacheSpec, model: Any) -> None:
     nothing elsewhere): MLX compiles each at its first launch in a process, which
     inside a step holds up every sequence for a second or two."""
     _attention.compile_kernels(model, spec)
+    _transfer.compile_kernels()
     done = set()
     for layer in spec.layers:
         q = layer.quantization

@@ -1,0 +1,148 @@
+"""The host memory that blocks' bits are copied into and back out of: slabs kept for the
+process and reused, slot by slot.
+
+Evicting an 8K-token cache of a 16-layer model copies 1,024 arrays (256 MB) to host
+memory. Memory fresh from the system costs a page fault per page at its first touch
+(on an H200's host, ~100 ms for 256 MB: more than the copy itself), and on MLX's CUDA
+backend only page-locked memory mapped into the GPU's address space can be written and
+read by a kernel directly (``_transfer``: ~17 GB/s, against ~4 GB/s through MLX's own
+buffers). Page-locking is itself slow (~2 GB/s), so neither kind is given back: like
+PyTorch's caching host allocator, :class:`HostMemory` keeps the slabs it made and hands
+their slots out again.
+
+A slot holds one array. Slots come in power-of-two sizes from 4 KiB; a slab holds
+:data:`SLAB_SLOTS` slots of one size, or fewer to stay within :data:`SLAB_BYTES` (at
+least one). A slot taken is given
+back when the last numpy array over it is gone, whichever thread drops it (the host
+tier, the store's writer): each slot's memory is a ctypes object of its own, and a
+finalizer on it returns the slot. The slabs grow up to :attr:`HostMemory.limit` bytes
+(raised by each runtime to what its host tier may hold, plus room for caches on their
+way to disk); past it, :meth:`HostMemory.take` answers ``None`` and the caller copies
+into fresh memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+#: Most slots of one slab, and most bytes (a larger slot has a slab of its own).
+SLAB_SLOTS = 64
+SLAB_BYTES = 64 << 20
+#: The smallest slot.
+MIN_SLOT = 4096
+
+#: Makes ``nbytes`` of host memory: its address, and an object that keeps it alive.
+Allocate = Callable[[int], tuple[int, object]]
+
+
+def plain_memory(nbytes: int) -> tuple[int, object]:
+    """Ordinary host memory, its pages touched once so that no copy meets a page fault."""
+    memory = np.zeros(nbytes, np.uint8)
+    return int(memory.ctypes.data), memory
+
+
+@attrs.define(eq=False)
+class _Slab:
+    base: int
+    slot: int
+    count: int
+    owner: object
+    free: list[int]
+
+
+class HostMemory:
+    """Slabs of host memory, made by ``allocate`` (:func:`plain_memory`, or page-locked
+    memory on CUDA), handed out as numpy arrays one slot each. ``mapped``: the GPU
+    reaches the slabs at their host addresses."""
+
+    def __init__(self, allocate: Allocate = plain_memory, *, mapped: bool = False) -> None:
+        self._allocate = allocate
+        self.mapped = mapped
+        self.limit = 0
+        #: Bytes of the slabs made so far.
+        self.nbytes = 0
+        self._slabs: dict[int, list[_Slab]] = {}
+        self._bases: list[int] = []  # sorted
+        self._by_base: dict[int, _Slab] = {}
+        self._lock = threading.Lock()
+
+    def allow(self, nbytes: int) -> None:
+        """Let the slabs grow to ``nbytes`` at least (limits only rise)."""
+        with self._lock:
+            self.limit = max(self.limit, nbytes)
+
+    def take(
+        self, arrays: Sequence[tuple[tuple[int, ...], np.dtype[Any]]]
+    ) -> list[np.ndarray] | None:
+        """An uninitialised array of each ``(shape, dtype)``, each in a slot of its own, or
+        ``None`` (nothing taken) if the slabs cannot hold them all within the limit."""
+        sizes = [
+            _slot_size(int(np.prod(shape)) * np.dtype(dtype).itemsize) for shape, dtype in arrays
+        ]
+        with self._lock:
+            slots = self._take_slots(sizes)
+        if slots is None:
+            return None
+        out = []
+        for (shape, dtype), (slab, index) in zip(arrays, slots, strict=True):
+            count = int(np.prod(shape))
+            memory = (ctypes.c_uint8 * slab.slot).from_address(slab.base + index * slab.slot)
+            weakref.finalize(memory, self._give_back, slab, index)
+            out.append(np.frombuffer(memoryview(memory), dtype, count).reshape(shape))
+        return out
+
+    def holds(self, a: np.ndarray) -> bool:
+        """Whether ``a`` lies within one of the slabs, in one piece."""
+        if not a.flags.c_contiguous:
+            return False
+        start = int(a.ctypes.data)
+        with self._lock:
+            at = bisect.bisect_right(self._bases, start) - 1
+            if at < 0:
+                return False
+            slab = self._by_base[self._bases[at]]
+            return start + a.nbytes <= slab.base + slab.slot * slab.count
+
+    def free_bytes(self) -> int:
+        """Bytes of slots free in the slabs made so far."""
+        with self._lock:
+            return sum(len(s.free) * s.slot for slabs in self._slabs.values() for s in slabs)
+
+    def _take_slots(self, sizes: list[int]) -> list[tuple[_Slab, int]] | None:
+        wanted: dict[int, int] = {}
+        for size in sizes:
+            wanted[size] = wanted.get(size, 0) + 1
+        for size, n in wanted.items():  # make the slabs first: all or nothing
+            have = sum(len(s.free) for s in self._slabs.get(size, ()))
+            per = max(1, min(SLAB_SLOTS, SLAB_BYTES // size))
+            while have < n:
+                if self.nbytes + per * size > self.limit:
+                    return None
+                base, owner = self._allocate(per * size)
+                slab = _Slab(base, size, per, owner, list(range(per - 1, -1, -1)))
+                self._slabs.setdefault(size, []).append(slab)
+                bisect.insort(self._bases, base)
+                self._by_base[base] = slab
+                self.nbytes += per * size
+                have += per
+        taken = []
+        for size in sizes:
+            slab = next(s for s in self._slabs[size] if s.free)
+            taken.append((slab, slab.free.pop()))
+        return taken
+
+    def _give_back(self, slab: _Slab, index: int) -> None:
+        with self._lock:
+            slab.free.append(index)
+
+
+def _slot_size(nbytes: int) -> int:
+    return max(MIN_SLOT, 1 << (max(nbytes, 1) - 1).bit_length())
