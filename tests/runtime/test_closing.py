@@ -1,9 +1,10 @@
 """Closing agents and runtimes: a name whose close is finishing, or whose last turn is
 being saved, can be spawned again; a close that failed can be retried; a fork in flight
-when the runtime leaves fails."""
+when the runtime leaves fails; an engine thread stopped by an error answers every turn."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,12 @@ import pytest
 from anyio import wait_all_tasks_blocked
 
 from mlx_actors import Runtime
-from mlx_actors.errors import MlxActorsError, RuntimeClosedError, StateWriteError
+from mlx_actors.errors import EngineError, MlxActorsError, RuntimeClosedError, StateWriteError
 from mlx_actors.runtime import _state
+from mlx_actors.scheduler.residency import _image
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 pytestmark = pytest.mark.anyio
 
@@ -130,3 +135,35 @@ async def test_leaving_the_runtime_while_a_fork_is_in_flight_fails_the_fork(
     assert len(outcome) == 1 and isinstance(outcome[0], RuntimeClosedError)
     assert sorted(p.name for p in (state / "agents").iterdir()) == ["ann.json"]
     assert sorted(p.name for p in (state / "caches").iterdir()) == ["_blocks", "ann"]
+
+
+@pytest.mark.timeout(120)  # before the engine answered what waited on it, this hung
+async def test_an_unexpected_error_on_the_engine_thread_stops_it_and_answers_every_turn(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug of ours raising on the engine thread (here: copying a turn's cache to host
+    memory for its save, while the engine applies the commit) stops the engine: every
+    turn waiting on it, or asked later, fails with EngineError, and the runtime raises
+    it (caused by the bug) as it exits."""
+
+    def broken(arrays: Any) -> Any:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(_image, "to_host", broken)
+    failed: list[EngineError] = []
+    with pytest.raises(BaseExceptionGroup) as caught:
+        async with Runtime(
+            tiny_dir, pool_blocks=100, log_level="off", state_dir=tmp_path / "state"
+        ) as rt:
+            agent = await rt.spawn("ann", max_tokens=4)
+            try:
+                for _ in range(3):  # the first commit stops the engine
+                    await agent.ask("Hello")
+            except EngineError as exc:  # (or the runtime's failure cancels this first)
+                failed.append(exc)
+    stopped = caught.value.subgroup(EngineError)
+    assert stopped is not None
+    error = stopped.exceptions[0]
+    assert "stopped on an unexpected error" in str(error)
+    assert isinstance(error.__cause__, RuntimeError) and str(error.__cause__) == "injected"
+    assert all("stopped on an unexpected error" in str(e) for e in failed)

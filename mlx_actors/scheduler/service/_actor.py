@@ -13,7 +13,7 @@ import mlx.core as mx
 import structlog
 from anyio.lowlevel import EventLoopToken
 
-from ...errors import MlxActorsError, RuntimeClosedError
+from ...errors import EngineError, MlxActorsError, RuntimeClosedError
 from ..caches._quantized import KVQuantization
 from ..engine._records import CompletedGeneration
 from ..kv._pool import AgentBlocks
@@ -401,18 +401,32 @@ class Scheduler:
             with self._lock:
                 self._stopped = True
             raise
+        failure: EngineError | None = None
         try:
             anyio.from_thread.run_sync(self._started.set, token=self._token)
             loop.run()
+        except Exception as exc:
+            # A bug of ours: the engine stops, and everything waiting on it is answered
+            # with the error (no turn waits for an engine that is gone).
+            failure = EngineError(f"the engine stopped on an unexpected error: {exc!r}")
+            self._log.error(
+                "scheduler.failed",
+                error=repr(exc),
+                traceback="".join(traceback.format_exception(exc)),
+            )
+            raise failure from exc
         finally:
             with self._lock:
                 self._stopped = True
-            leftovers = []
+                self._deliveries.failure = failure
+            leftovers = [] if loop.applying is None else [loop.applying]
             while True:
                 try:
                     leftovers.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            final = self._deliveries.final = loop.close(leftovers)
-            self._deliver_from_thread(loop.outbox)
+            try:
+                final = self._deliveries.final = loop.close(leftovers, failure)
+            finally:
+                self._deliver_from_thread(loop.outbox)
             self._log.info("scheduler.stopped", pool_used=final.pool.used_blocks)

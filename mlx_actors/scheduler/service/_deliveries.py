@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import attrs
 
-from ...errors import CorruptStateError, RuntimeClosedError
+from ...errors import CorruptStateError, EngineError, RuntimeClosedError
 from ..residency._image import CacheImage
 from ._disk import DiskWork
 from ._events import (
@@ -55,6 +55,8 @@ class Deliveries:
         self._numbers = itertools.count(1)
         #: The engine's statistics once its thread stopped (the answer to later queries).
         self.final: SchedulerStatistics | None = None
+        #: Why the engine thread stopped, if an error stopped it (later turns fail so).
+        self.failure: EngineError | None = None
 
     # -- snapshots -----------------------------------------------------------------------
 
@@ -138,7 +140,7 @@ class Deliveries:
     def refuse(self, command: object) -> None:
         """Answer a command the stopped engine thread will never see."""
         if isinstance(command, Submit):
-            fail(command.turn, RuntimeClosedError("the runtime has shut down"))
+            fail(command.turn, self.failure or RuntimeClosedError("the runtime has shut down"))
         elif isinstance(command, Cancel):
             command.turn.cancelled.set()
         elif isinstance(command, Query) and self.final is not None:

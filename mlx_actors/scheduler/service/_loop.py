@@ -91,6 +91,8 @@ class EngineLoop:
         self._room = False
         #: The tokenizer as the grammar engine reads it (built at the first constraint).
         self._grammar_tokenizer: Any = None
+        #: The command being applied (it is not in the queue any more).
+        self.applying: object | None = None
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -137,6 +139,11 @@ class EngineLoop:
                 self._deliver(items)
 
     def apply(self, command: object) -> None:
+        self.applying = command  # answered by :meth:`close` if it raises
+        self._apply(command)
+        self.applying = None
+
+    def _apply(self, command: object) -> None:
         if isinstance(command, (Commit, Release, Forget, Cancel, Undo)):
             self._room = True
         if isinstance(command, Submit):
@@ -453,9 +460,14 @@ class EngineLoop:
             **self.caches.counts(),
         )
 
-    def close(self, leftovers: list[object]) -> SchedulerStatistics:
-        """Fail every turn in flight, free every block, answer what is left unread."""
-        closed = RuntimeClosedError("the runtime shut down before the turn finished")
+    def close(
+        self, leftovers: list[object], failure: EngineError | None = None
+    ) -> SchedulerStatistics:
+        """Fail every turn in flight (with ``failure`` if the loop stopped on an error),
+        free every block, answer what is left unread."""
+        closed: Exception = failure or RuntimeClosedError(
+            "the runtime shut down before the turn finished"
+        )
         for turn in [*self.turns.values(), *(turn for turn, _ in self.waiting)]:
             self.outbox.append(events.Failed(turn, closed))
         self.turns.clear()
