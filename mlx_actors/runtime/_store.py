@@ -17,7 +17,7 @@ import numpy as np
 
 from ..actors import NAME
 from ..errors import CorruptStateError
-from ..scheduler import BLOCK_SIZE, BlockEntry, CacheImage
+from ..scheduler import BLOCK_SIZE, BlockEntry, CacheImage, host_memory
 from ._disk import (
     checked,
     checksum,
@@ -332,7 +332,7 @@ class DiskCacheStore:
 
     def _read_chunk(self, name: str, sha: object) -> dict[str, np.ndarray]:
         try:
-            return read_safetensors(self.blocks / name, str(sha))[0]
+            return read_safetensors(self.blocks / name, str(sha), _host_buffer)[0]
         except CorruptStateError:
             if _CHUNK.fullmatch(name):
                 self._never_again(name)
@@ -392,6 +392,15 @@ class DiskCacheStore:
         return CacheImage(
             tokens=tokens, layers=tuple(layers), dtype=dtype, arrays=arrays, anchors=anchors
         )
+
+
+def _host_buffer(size: int) -> np.ndarray:
+    """Memory a chunk file is read into: a slot of the process's host memory for blocks
+    (on CUDA page-locked, so that its blocks go from there to the GPU by a kernel), or
+    new memory when its slabs are full."""
+    memory = host_memory(start=False)  # (on a worker thread: no MLX work here)
+    slots = None if memory is None else memory.take([((size,), np.dtype(np.uint8))])
+    return np.empty(size, np.uint8) if slots is None else slots[0]
 
 
 def _rows(

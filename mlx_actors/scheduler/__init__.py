@@ -44,6 +44,7 @@ from .kv._spec import ModelCacheSpec as ModelCacheSpec
 from .residency._image import BlockEntry as BlockEntry
 from .residency._image import CacheImage as CacheImage
 from .residency._manager import EVICTION_POLICIES as EVICTION_POLICIES
+from .residency._transfer import host_memory as host_memory
 from .service._actor import Scheduler as Scheduler
 from .service._coming import Expected as Expected
 from .service._protocol import CacheStore as CacheStore

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,8 @@ import numpy as np
 import pytest
 
 from mlx_actors import Runtime
+from mlx_actors.runtime import _store
+from mlx_actors.runtime._disk import checksum, read_safetensors, safetensors_bytes
 from mlx_actors.scheduler.residency import _transfer, to_device, to_host
 from mlx_actors.scheduler.residency._host_memory import HostMemory
 
@@ -134,12 +137,18 @@ def test_past_its_limit_host_memory_takes_nothing_and_copies_go_to_fresh_arrays(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     memory = HostMemory()
-    memory.allow(64 * 4096)  # one slab of 4 KiB slots
-    first = memory.take([((1024,), np.dtype(np.uint32))] * 60)
-    assert first is not None and memory.nbytes == 64 * 4096
+    memory.allow(64 * 4096)
+    first = memory.take([((1024,), np.dtype(np.uint32))] * 48)  # 4 KiB slots
+    assert first is not None and memory.nbytes == 48 * 4096
+    more = memory.take([((1000,), np.dtype(np.uint32))] * 16)
+    assert more is not None and memory.nbytes == 64 * 4096
     assert memory.take([((1024,), np.dtype(np.uint32))] * 5) is None
     assert memory.take([((8192,), np.dtype(np.uint8))]) is None  # another size: a new slab
-    assert memory.free_bytes() == 4 * 4096  # nothing was taken by the refusals
+    assert memory.take([((5,), np.dtype(np.uint8)), ((8192,), np.dtype(np.uint8))]) is None
+    assert memory.free_bytes() == 0  # nothing was taken by the refusals
+    del first
+    again = memory.take([((512,), np.dtype(np.uint64))] * 48)  # the freed slots
+    assert again is not None and memory.nbytes == 64 * 4096
     current = _transfer.host_memory()
     if current is None or not current.mapped:  # (a CUDA GPU's memory is page-locked)
         monkeypatch.setattr(_transfer, "_memory", [memory])
@@ -174,3 +183,36 @@ async def test_evictions_reuse_the_same_host_memory(
     evicted = sum(e["bytes"] for e in events if e["event"] == "blocks.evicted")
     # Without slots given back, the slabs would hold at least every byte evicted.
     assert 0 < memory.nbytes < evicted / 2
+
+
+def test_chunk_files_are_read_into_host_memory_their_tensors_aligned(
+    tmp_path: Path, memory: HostMemory
+) -> None:
+    """A cache file read back lands in a slot (page-locked on CUDA: its blocks go to the
+    GPU by the kernel), each tensor 64-byte aligned; files whose header was padded to 8
+    bytes only (written before) still read."""
+    rng = np.random.default_rng(11)
+    tensors = {
+        "0.keys": rng.integers(0, 60_000, (1, 2, 256, 16), dtype=np.uint16),
+        "0.values": rng.integers(0, 60_000, (1, 2, 256, 16), dtype=np.uint16),
+        "1.keys": rng.integers(0, 60_000, (1, 2, 100, 16), dtype=np.uint16),
+    }
+    data = b"".join(safetensors_bytes(tensors, "bfloat16", {"who": "test"}))
+    path = tmp_path / "chunk-0.safetensors"
+    path.write_bytes(data)
+    read, dtype = read_safetensors(path, checksum(data), _store._host_buffer)
+    assert dtype == "bfloat16"
+    for name, a in tensors.items():
+        np.testing.assert_array_equal(read[name], a)
+        assert memory.holds(read[name]) and read[name].ctypes.data % 64 == 0
+    back = to_device(list(read.values()))
+    for a, b in zip(tensors.values(), back, strict=True):
+        np.testing.assert_array_equal(np.array(b), a)
+    (size,) = struct.unpack_from("<Q", data)
+    header = data[8 : 8 + size].rstrip()
+    header += b" " * (-len(header) % 8)
+    old = tmp_path / "chunk-1.safetensors"
+    old.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + size :])
+    again, _ = read_safetensors(old, None, _store._host_buffer)
+    for name, a in tensors.items():
+        np.testing.assert_array_equal(again[name], a)

@@ -10,9 +10,11 @@ buffers). Page-locking is itself slow (~2 GB/s), so neither kind is given back: 
 PyTorch's caching host allocator, :class:`HostMemory` keeps the slabs it made and hands
 their slots out again.
 
-A slot holds one array. Slots come in power-of-two sizes from 4 KiB; a slab holds
-:data:`SLAB_SLOTS` slots of one size, or fewer to stay within :data:`SLAB_BYTES` (at
-least one). A slot taken is given
+A slot holds one array (a block's keys or values, or a whole file of blocks read back
+from disk). Slots come in power-of-two sizes from 4 KiB up to :data:`SLAB_BYTES`, then
+in multiples of it. A slab holds slots of one size: as many as are missing, or as that
+size has already (each size's slots double as they are needed), at most
+:data:`SLAB_SLOTS` and :data:`SLAB_BYTES` (at least one). A slot taken is given
 back when the last numpy array over it is gone, whichever thread drops it (the host
 tier, the store's writer): each slot's memory is a ctypes object of its own, and a
 finalizer on it returns the slot. The slabs grow up to :attr:`HostMemory.limit` bytes
@@ -44,9 +46,14 @@ Allocate = Callable[[int], tuple[int, object]]
 
 
 def plain_memory(nbytes: int) -> tuple[int, object]:
-    """Ordinary host memory, its pages touched once so that no copy meets a page fault."""
-    memory = np.zeros(nbytes, np.uint8)
-    return int(memory.ctypes.data), memory
+    """Ordinary host memory starting on a page, its pages touched once so that no copy
+    meets a page fault."""
+    memory = np.zeros(nbytes + _PAGE, np.uint8)
+    address = int(memory.ctypes.data)
+    return address + -address % _PAGE, memory
+
+
+_PAGE = 4096
 
 
 @attrs.define(eq=False)
@@ -121,14 +128,20 @@ class HostMemory:
         for size in sizes:
             wanted[size] = wanted.get(size, 0) + 1
         for size, n in wanted.items():  # make the slabs first: all or nothing
-            have = sum(len(s.free) for s in self._slabs.get(size, ()))
-            per = max(1, min(SLAB_SLOTS, SLAB_BYTES // size))
+            slabs = self._slabs.get(size, [])
+            have = sum(len(s.free) for s in slabs)
+            most = max(1, min(SLAB_SLOTS, SLAB_BYTES // size))
             while have < n:
+                # as many slots as are missing, or as the size has already (it doubles)
+                per = min(most, max(n - have, sum(s.count for s in slabs)))
+                if self.nbytes + per * size > self.limit:
+                    per = min(most, n - have)  # near the limit: only what is missing
                 if self.nbytes + per * size > self.limit:
                     return None
                 base, owner = self._allocate(per * size)
                 slab = _Slab(base, size, per, owner, list(range(per - 1, -1, -1)))
-                self._slabs.setdefault(size, []).append(slab)
+                slabs.append(slab)
+                self._slabs[size] = slabs
                 bisect.insort(self._bases, base)
                 self._by_base[base] = slab
                 self.nbytes += per * size
@@ -145,4 +158,6 @@ class HostMemory:
 
 
 def _slot_size(nbytes: int) -> int:
+    if nbytes > SLAB_BYTES:
+        return -(-nbytes // SLAB_BYTES) * SLAB_BYTES
     return max(MIN_SLOT, 1 << (max(nbytes, 1) - 1).bit_length())

@@ -195,12 +195,14 @@ def _driver() -> _Driver | None:
 _memory: list[HostMemory | None] = []
 
 
-def host_memory() -> HostMemory | None:
+def host_memory(*, start: bool = True) -> HostMemory | None:
     """The process's host memory for blocks' bits: page-locked and mapped on a CUDA GPU,
-    ordinary elsewhere; ``None`` on a CUDA GPU whose driver path is off or failed."""
+    ordinary elsewhere; ``None`` on a CUDA GPU whose driver path is off or failed, or,
+    with ``start=False``, before an engine thread started it (starting it may run MLX
+    work, which belongs on that thread)."""
     with _lock:
-        if _memory:
-            return _memory[0]
+        if _memory or not start:
+            return _memory[0] if _memory else None
     memory: HostMemory | None = HostMemory()
     if mx.cuda.is_available() and mx.default_device().type == mx.gpu:
         driver = _driver()
