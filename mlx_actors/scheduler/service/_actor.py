@@ -392,7 +392,14 @@ class Scheduler:
         return loop
 
     def _deliver_from_thread(self, items: Outbox) -> None:
-        anyio.from_thread.run_sync(self._deliveries.deliver, items, token=self._token)
+        """Hand one step's events to the event loop and go on: the engine thread does
+        not wait for the loop to run them (it would wait for whatever the loop is busy
+        with, streaming the last step's text, say). They run in the order handed over,
+        before anything the thread asks of the loop later."""
+        assert self._token is not None
+        # (anyio's own call, as its portals use it: with the library's context set)
+        token = self._token
+        token.backend_class.run_sync_soon(self._deliveries.deliver, (items,), token.native_token)
 
     def _thread_main(self) -> None:
         try:
