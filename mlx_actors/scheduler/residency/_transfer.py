@@ -6,11 +6,12 @@ arrays when its slabs are full. Everywhere but MLX's CUDA backend the copies are
 ``np.copyto`` out and ``mx.array(bits)`` in.
 
 On CUDA the slabs are page-locked host memory mapped into the GPU's address space
-(``cuMemHostAlloc``), and a kernel of this module copies each array between a slot and
-the device, many blocks per launch, on MLX's own stream: nothing MLX holds is exported,
-and copying an 8K-token cache of a 16-layer model (256 MB) out takes ~16 ms on an H200
-and back in ~20-50 ms, against 60-380 ms and ~75 ms by the copies below. Host arrays
-that are not in a slot (a cache read from disk) come in the way below.
+(``cuMemHostAlloc``), and the kernels of :mod:`._host_kernels` copy the arrays between
+their slots and the device, many blocks per launch, on MLX's own stream: an 8K-token
+cache of a 16-layer model (256 MB) goes out in ~40 ms on an H200 and back in ~30 ms,
+against 60-380 ms and ~78 ms by the driver's copies below. Host arrays that are not in
+a slot (the slabs were full, or a cache file written before its tensors were aligned)
+go the driver's way.
 
 On CUDA (MLX 0.32), an array made from host memory lives in unified (managed) memory:
 written on the host, it moves to the GPU page by page when a kernel first reads it
@@ -46,15 +47,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
+from . import _host_kernels
+from ._host_kernels import MX_BITS, NP_BITS
 from ._host_memory import HostMemory
-
-#: Unsigned types of a block's bits, numpy to MLX.
-_MX_BITS: dict[np.dtype[Any], mx.Dtype] = {
-    np.dtype(np.uint8): mx.uint8,
-    np.dtype(np.uint16): mx.uint16,
-    np.dtype(np.uint32): mx.uint32,
-}
-_NP_BITS: dict[mx.Dtype, np.dtype[Any]] = {v: k for k, v in _MX_BITS.items()}
 
 #: Bytes of one staging buffer (at most, unless one block is larger).
 STAGING_BYTES = 64 << 20
@@ -218,7 +213,7 @@ def to_device(host: Sequence[np.ndarray]) -> list[mx.array]:
     host = [np.ascontiguousarray(h) for h in host]
     memory = host_memory()
     if memory is not None and memory.mapped and host and all(map(memory.holds, host)):
-        copied = _kernel_copies(host, [])
+        copied = _host_kernels.copy(_groups(host), [])
         if copied is not None:
             return copied
     driver = _driver()
@@ -269,10 +264,10 @@ def _staged(driver: _Driver, host: Sequence[np.ndarray]) -> list[mx.array]:
     for h, start in zip(host, starts, strict=True):
         driver.to_device(h, base + start)
     driver.synchronize()
-    zero = {dtype: mx.array(0, _MX_BITS[dtype]) for dtype in {h.dtype for h in host}}
+    zero = {dtype: mx.array(0, MX_BITS[dtype]) for dtype in {h.dtype for h in host}}
     out = [
         # a view of the staging buffer, then its bits in a buffer of its own
-        staging[start : start + h.nbytes].view(_MX_BITS[h.dtype]).reshape(h.shape) + zero[h.dtype]
+        staging[start : start + h.nbytes].view(MX_BITS[h.dtype]).reshape(h.shape) + zero[h.dtype]
         for h, start in zip(host, starts, strict=True)
     ]
     mx.eval(out)
@@ -289,13 +284,13 @@ def to_host(arrays: Sequence[mx.array]) -> list[np.ndarray]:
             for a, h in zip(arrays, slots, strict=True):
                 np.copyto(h, np.asarray(a))
             return slots
-        if _kernel_copies(slots, arrays) is not None:
+        if _host_kernels.copy(_groups(slots), arrays) is not None:
             return slots
     driver = _driver()
     if driver is not None and arrays:
         # Exporting a buffer moves it (and frees the old one): nothing may still read it.
         _synchronize()
-        out = [np.empty(a.shape, _NP_BITS[a.dtype]) for a in arrays]
+        out = [np.empty(a.shape, NP_BITS[a.dtype]) for a in arrays]
         try:
             driver.enter()
             for a, h in zip(arrays, out, strict=True):
@@ -311,153 +306,15 @@ def to_host(arrays: Sequence[mx.array]) -> list[np.ndarray]:
 
 
 def _layout(arrays: Sequence[mx.array]) -> list[tuple[tuple[int, ...], np.dtype[Any]]]:
-    return [(tuple(a.shape), _NP_BITS[a.dtype]) for a in arrays]
-
-
-def _kernel_copies(host: Sequence[np.ndarray], device: Sequence[mx.array]) -> list[mx.array] | None:
-    """With ``device``: its arrays copied into ``host`` (slots of the mapped host memory,
-    as many); without: new device arrays equal to ``host``. By this module's kernel, a
-    launch per :data:`STAGING_BYTES`; ``None`` (nothing copied) if a size or an address
-    does not suit its 16-byte copies."""
-    if _failed or any(h.nbytes % 16 or h.ctypes.data % 16 for h in host):
-        return None
-    out: list[mx.array] = []
-    done = []
-    start = 0
-    try:
-        for group in _groups(host):
-            stop = start + len(group)
-            if device:
-                done.append(_launch_out(group, device[start:stop]))
-            else:
-                out.extend(_launch_in(group))
-            start = stop
-        mx.eval(done or out)
-        mx.synchronize()  # the kernels' writes to host memory are done
-    except RuntimeError as exc:  # MLX could not compile or launch them: copy otherwise
-        _failed.append(repr(exc))
-        return None
-    return out
-
-
-#: Why the kernels failed, if they did (then the process copies without them).
-_failed: list[str] = []
-
-
-_SOURCE_OUT = """
-    const int64_t* e = table + 3 * blockIdx.y;
-    const uint4* s = reinterpret_cast<const uint4*>(src + e[0]);
-    uint4* d = reinterpret_cast<uint4*>(e[1]);
-    const int64_t n = e[2] / 16;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        d[i] = s[i];
-    }
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-        done[0] = 1;
-    }
-"""
-
-_SOURCE_IN = """
-    const int64_t* e = table + 3 * blockIdx.y;
-    const uint4* s = reinterpret_cast<const uint4*>(e[0]);
-    uint4* d = reinterpret_cast<uint4*>(o + e[1]);
-    const int64_t n = e[2] / 16;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        d[i] = s[i];
-    }
-"""
-
-_kernels: dict[str, Any] = {}
-
-
-def _kernel(name: str) -> Any:
-    kernel = _kernels.get(name)
-    if kernel is None:
-        if name == "out":
-            inputs, outputs, source = ["src", "table"], ["done"], _SOURCE_OUT
-        else:
-            inputs, outputs, source = ["table"], ["o"], _SOURCE_IN
-        kernel = _kernels[name] = mx.fast.cuda_kernel(
-            name=f"mlx_actors_host_{name}",
-            input_names=inputs,
-            output_names=outputs,
-            source=source,
-        )
-    return kernel
-
-
-def _threads(host: Sequence[np.ndarray]) -> int:
-    """Threads per array: one 16-byte piece each, up to 64 blocks of 256."""
-    most = max(h.nbytes for h in host) // 16
-    return 256 * max(1, min(64, -(-most // 256)))
-
-
-def _launch_out(host: Sequence[np.ndarray], device: Sequence[mx.array]) -> mx.array:
-    """One launch: ``device`` (put together on the device) written into ``host``."""
-    src = mx.concatenate([a.reshape(-1).view(mx.uint8) for a in device])
-    table: list[int] = []
-    offset = 0
-    for h in host:
-        table += (offset, h.ctypes.data, h.nbytes)
-        offset += h.nbytes
-    (done,) = _kernel("out")(
-        inputs=[src, mx.array(table, dtype=mx.int64)],
-        grid=(_threads(host), len(host), 1),
-        threadgroup=(256, 1, 1),
-        output_shapes=[(1,)],
-        output_dtypes=[mx.uint8],
-    )
-    return cast(mx.array, done)
-
-
-def _launch_in(host: Sequence[np.ndarray]) -> list[mx.array]:
-    """One launch: ``host`` read into one device buffer, then an array of its own each."""
-    table: list[int] = []
-    offset = 0
-    for h in host:
-        table += (h.ctypes.data, offset, h.nbytes)
-        offset += h.nbytes
-    (staged,) = _kernel("in")(
-        inputs=[mx.array(table, dtype=mx.int64)],
-        grid=(_threads(host), len(host), 1),
-        threadgroup=(256, 1, 1),
-        output_shapes=[(offset,)],
-        output_dtypes=[mx.uint8],
-    )
-    out = []
-    offset = 0
-    for h in host:
-        bits = _MX_BITS[h.dtype]
-        # a view of the staged bytes, then its bits in a buffer of its own
-        piece = staged[offset : offset + h.nbytes].view(bits).reshape(h.shape)
-        out.append(piece + mx.array(0, bits))
-        offset += h.nbytes
-    return out
+    return [(tuple(a.shape), NP_BITS[a.dtype]) for a in arrays]
 
 
 def compile_kernels() -> None:
-    """Have MLX compile this module's kernels, if it uses them (a CUDA GPU with the
-    driver path): each launched once with nothing to copy."""
+    """Have MLX compile the kernels of :mod:`._host_kernels`, if copies use them (a CUDA
+    GPU with the driver path)."""
     memory = host_memory()
-    if memory is None or not memory.mapped:
-        return
-    nothing = mx.array([0, 0, 0], dtype=mx.int64)
-    shapes = {"out": [(1,)], "in": [(16,)]}
-    try:
-        for name, inputs in (("out", [mx.zeros((16,), mx.uint8), nothing]), ("in", [nothing])):
-            mx.eval(
-                _kernel(name)(
-                    inputs=inputs,
-                    grid=(256, 1, 1),
-                    threadgroup=(256, 1, 1),
-                    output_shapes=shapes[name],
-                    output_dtypes=[mx.uint8],
-                )
-            )
-    except RuntimeError as exc:
-        _failed.append(repr(exc))
+    if memory is not None and memory.mapped:
+        _host_kernels.compile_kernels()
 
 
 def _synchronize() -> None:
