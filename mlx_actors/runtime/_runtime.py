@@ -111,7 +111,8 @@ class Runtime:
         eviction: which idle agent's cache leaves the pool when a turn needs room:
             ``"next-use"`` (the default), the agent expected to be asked furthest from
             now, judging by the order turns have started in (in a round robin, the
-            agent that spoke last); ``"lru"``, the least recently used.
+            agent that spoke last), whose cache, once out, comes back while the turn
+            before its own runs; ``"lru"``, the least recently used.
 
     When a turn needs more blocks than are free, idle agents' caches (chosen by
     ``eviction``) are moved to host memory and disk and freed; an agent whose cache is

@@ -48,6 +48,9 @@ class RuntimeStatistics:
     restores: int
     #: Of ``restores``, those taken from host memory (``host_bytes``), not the files.
     memory_restores: int = 0
+    #: Of ``restores``, those made ahead of the agent's turn, while other turns ran (it
+    #: was expected to be asked next).
+    prefetches: int = 0
     #: Bytes of evicted caches kept in host memory now (at most ``host_bytes``).
     host_bytes: int = 0
 
@@ -73,5 +76,6 @@ def runtime_statistics(s: SchedulerStatistics, *, agents: int) -> RuntimeStatist
         evictions=s.evictions,
         restores=s.restores,
         memory_restores=s.memory_restores,
+        prefetches=s.prefetches,
         host_bytes=s.host_bytes,
     )

@@ -41,6 +41,7 @@ class _Snapshot(Collector):
             "evictions": ("Caches moved out of the pool to make room.", s.evictions),
             "restores": ("Caches brought back into the pool.", s.restores),
             "memory_restores": ("Of the restores, those from host memory.", s.memory_restores),
+            "prefetches": ("Of the restores, those made ahead of the turn.", s.prefetches),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"mlx_actors_{name}", doc, value=value)

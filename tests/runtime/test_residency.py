@@ -42,6 +42,39 @@ async def test_a_round_robin_restores_fewer_caches_than_lru_with_the_same_replie
     assert all(e["why"].startswith("next turn expected in ") for e in evicted)
 
 
+@pytest.mark.parametrize("host_bytes", [1 << 30, 0], ids=["host-memory", "disk"])
+async def test_the_agent_expected_next_comes_back_before_its_turn(
+    tiny_dir: Path, tmp_path: Path, host_bytes: int | None
+) -> None:
+    names = [f"agent{i}" for i in range(5)]
+    trace = tmp_path / "trace.jsonl"
+    async with Runtime(tiny_dir, pool_blocks=64, log_level="off") as rt:
+        alone = {k: r.tokens for k, r in (await converse(rt, names, range(4))).items()}
+    async with Runtime(
+        tiny_dir, pool_blocks=14, log_level="off", trace=trace, host_bytes=host_bytes
+    ) as rt:
+        replies = {k: r.tokens for k, r in (await converse(rt, names, range(4))).items()}
+        stats = await rt.stats()
+    assert replies == alone  # brought back ahead or not, the same caches
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    restored = [e for e in events if e["event"] == "blocks.restored"]
+    reads = [e for e in events if e["event"] == "blocks.read" and e["source"] == "disk"]
+    assert len(restored) == stats.restores >= 3
+    if host_bytes == 0:
+        # In a round robin the next speaker is known: each cache is read once, in the
+        # background, from the start of the turn before its own (whether the read or the
+        # turn reaches the engine first is the machine's doing).
+        assert len(reads) == stats.restores and all(e.get("prefetch") for e in reads)
+    else:
+        # From host memory it came back while the turn before its own ran, every time.
+        assert stats.restores == stats.prefetches == stats.memory_restores
+        assert not reads
+        assert all(e["prefetch"] == "next turn expected in 1 turns" for e in restored)
+    for e in events:  # only agents expected later made room for one expected next
+        if e["event"] == "blocks.evicted":
+            assert int(e["why"].split()[-2]) > 1
+
+
 async def test_an_unknown_eviction_policy_is_refused(tiny_dir: Path) -> None:
     with pytest.raises(InvalidRequestError, match="eviction must be one of"):
         Runtime(tiny_dir, eviction="fifo")
@@ -49,24 +82,31 @@ async def test_an_unknown_eviction_policy_is_refused(tiny_dir: Path) -> None:
 
 async def test_a_pinned_agent_stays_while_others_can_leave(tiny_dir: Path, tmp_path: Path) -> None:
     names = [f"agent{i}" for i in range(5)]
-    evicted: dict[float | None, list[str]] = {}
-    replies: dict[float | None, dict[object, object]] = {}
-    for seconds in (None, 3600.0, 1e-9):  # no pin, a pin, a pin that has run out
-        trace = tmp_path / f"{seconds}.jsonl"
-        async with Runtime(  # LRU: in a round robin agent0 would leave every round
-            tiny_dir, pool_blocks=14, log_level="off", trace=trace, eviction="lru"
+    evicted: dict[tuple[float | None, str], list[str]] = {}
+    replies: dict[tuple[float | None, str], dict[object, object]] = {}
+    # No pin, a pin, a pin that has run out (LRU: in a round robin agent0 would leave
+    # every round); and a pin with next-use, whose restores ahead of turns move out only
+    # unpinned agents.
+    runs = [(None, "lru"), (3600.0, "lru"), (1e-9, "lru"), (3600.0, "next-use")]
+    for seconds, eviction in runs:
+        trace = tmp_path / f"{seconds}{eviction}.jsonl"
+        async with Runtime(
+            tiny_dir, pool_blocks=14, log_level="off", trace=trace, eviction=eviction
         ) as rt:
             await rt.spawn("agent0", system="You are agent0.", max_tokens=12)
             if seconds is not None:
                 rt.agent("agent0").pin(seconds)
             answered = await converse(rt, names, range(3))
-            replies[seconds] = {k: r.tokens for k, r in answered.items()}
+            replies[seconds, eviction] = {k: r.tokens for k, r in answered.items()}
+            prefetches = (await rt.stats()).prefetches
         events = [json.loads(line) for line in trace.read_text().splitlines()]
-        evicted[seconds] = [e["agent"] for e in events if e["event"] == "blocks.evicted"]
-    assert replies[3600.0] == replies[None] == replies[1e-9]
-    assert "agent0" in evicted[None] and len(evicted[3600.0]) > 3
-    assert "agent0" not in evicted[3600.0]
-    assert evicted[1e-9] == evicted[None]  # an expired pin changes nothing
+        evicted[seconds, eviction] = [e["agent"] for e in events if e["event"] == "blocks.evicted"]
+    none, pinned, expired, ahead = runs
+    assert all(r == replies[none] for r in replies.values())
+    assert "agent0" in evicted[none] and len(evicted[pinned]) > 3
+    assert "agent0" not in evicted[pinned]
+    assert evicted[expired] == evicted[none]  # an expired pin changes nothing
+    assert "agent0" not in evicted[ahead] and prefetches > 0
 
 
 def test_an_agent_between_tool_rounds_counts_as_pinned_for_a_minute() -> None:

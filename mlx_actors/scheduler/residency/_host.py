@@ -50,11 +50,11 @@ class HostCaches:
         """``agent``'s kept image (``None`` if there is none)."""
         return self._images.get(agent)
 
-    def taken(self, agent: str, image: CacheImage) -> None:
-        """``agent``'s cache is back in the pool, from ``image``: drop what is kept of it
-        (counting a restore from memory if ``image`` is the one kept)."""
-        if self._images.get(agent) is image:
-            self.hits += 1
+    def taken(self, agent: str, *, from_memory: bool) -> None:
+        """``agent``'s cache is back in the pool (``from_memory``: from the image kept
+        here, though the room made for it may have pushed that out since): drop what is
+        kept of it."""
+        self.hits += from_memory
         self.drop(agent)
 
     def drop(self, agent: str) -> None:

@@ -118,7 +118,7 @@ class CacheManager:
         self._persistent = persistent_store
         self._dtype = pool.spec.layers[0].stored_dtype
         self.agents: dict[str, CacheEntry] = {}
-        self.evictions = self.restores = 0
+        self.evictions = self.restores = self.prefetches = 0
         self._serial = 0
         self.eviction = eviction
         self.next_use = NextUse()
@@ -274,15 +274,20 @@ class CacheManager:
                 if not self.make_room(agent):
                     raise nothing_to_evict(exc) from None
 
-    def _evict_one(self, exclude: str) -> bool:
+    def _evict_one(self, exclude: str, later_than: int | None = None) -> bool:
         """Move an idle agent's cache out of the pool (the first by :meth:`_priority`),
         among those whose cache holds a block nobody else does; failing that, among
         those holding a block that only idle agents hold (a parent and its fork:
-        evicting them all frees it). Evicting any other frees nothing."""
+        evicting them all frees it). Evicting any other frees nothing. With
+        ``later_than``, only unpinned agents expected more than that many turns from now
+        may leave (:meth:`movable`)."""
         idle = {
             name: entry
             for name, entry in self.agents.items()
-            if entry.blocks is not None and not entry.busy and name != exclude
+            if entry.blocks is not None
+            and not entry.busy
+            and name != exclude
+            and (later_than is None or self.movable(name, later_than))
         }
         alone = [
             (self._priority(name, entry), name)
@@ -336,6 +341,14 @@ class CacheManager:
         ]
         return min(candidates)[1] if candidates else None
 
+    def movable(self, name: str, later_than: int) -> bool:
+        """Whether ``name``'s cache may leave to bring back one expected in
+        ``later_than`` turns: it is not pinned and is expected later than that."""
+        entry = self.agents[name]
+        return (
+            not entry.pinned(time.perf_counter()) and self.next_use.expected_in(name) > later_than
+        )
+
     def _priority(self, name: str, entry: CacheEntry) -> tuple[bool, float, float]:
         """Eviction order (the least first): unpinned agents before pinned ones; then
         the agent expected furthest from now, then the least recently used (with
@@ -353,15 +366,17 @@ class CacheManager:
             return f"{held}, and no unpinned agent could leave"
         if self.eviction == "lru":
             return "least recently used"
-        return f"next turn expected in {self.next_use.expected_in(name)} turns"
+        return _expected(self.next_use.expected_in(name))
 
     def in_host(self, agent: str) -> CacheImage | None:
         """The agent's evicted cache, if host memory still holds it."""
         return self.host.get(agent)
 
-    def restore(self, agent: str, image: CacheImage) -> None:
+    def restore(self, agent: str, image: CacheImage, *, later_than: int | None = None) -> None:
         """Make the agent's evicted cache blocks of the pool again, from ``image`` (read
-        back from the store, or :meth:`in_host`).
+        back from the store, or :meth:`in_host`). With ``later_than`` it is brought back
+        ahead of its turn (expected in that many turns): only caches :meth:`movable`
+        for it leave to make room (kept copies stay).
 
         Raises:
             CacheReconstructionError: the image does not hold the agent's cache.
@@ -369,7 +384,8 @@ class CacheManager:
         """
         entry = self.entry(agent)
         started = time.perf_counter()
-        if self.host.get(agent) is image:
+        from_memory = self.host.get(agent) is image
+        if from_memory:
             self._log.debug("blocks.read", agent=agent, bytes=image.nbytes, source="memory")
         if image.tokens != entry.tokens:
             raise CacheReconstructionError(
@@ -382,8 +398,15 @@ class CacheManager:
             nonlocal room
             began = time.perf_counter()
             try:
-                reservation: Reservation = self.with_room(agent, lambda: self.pool.reserve(n))
-                return reservation
+                if later_than is None:
+                    reservation: Reservation = self.with_room(agent, lambda: self.pool.reserve(n))
+                    return reservation
+                while True:
+                    try:
+                        return self.pool.reserve(n)
+                    except PoolExhaustedError:
+                        if not self._evict_one(agent, later_than):
+                            raise
             finally:
                 room += time.perf_counter() - began
 
@@ -394,10 +417,13 @@ class CacheManager:
         if self._persistent:
             entry.stored = stored_ids(image, blocks)
         self.restores += 1
-        self.host.taken(agent, image)
+        self.prefetches += later_than is not None
+        self.host.taken(agent, from_memory=from_memory)
+        ahead = {} if later_than is None else {"prefetch": _expected(later_than)}
         self._log.info(
             "blocks.restored",
             agent=agent,
+            **ahead,
             blocks=blocks.num_blocks,
             bytes=image.nbytes,
             ms=round((time.perf_counter() - started) * 1e3, 2),
@@ -462,9 +488,14 @@ class CacheManager:
             "agents_on_disk": sum(1 for e in self.agents.values() if e.evicted),
             "evictions": self.evictions,
             "restores": self.restores,
+            "prefetches": self.prefetches,
             "memory_restores": self.host.hits,
             "host_bytes": self.host.nbytes,
         }
+
+
+def _expected(turns: int) -> str:
+    return f"next turn expected in {turns} turns"
 
 
 def nothing_to_evict(exc: PoolExhaustedError, own: int = 0) -> PoolExhaustedError:

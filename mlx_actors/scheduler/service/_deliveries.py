@@ -22,6 +22,7 @@ from ._events import (
     Finished,
     Forked,
     NeedsRestore,
+    Prefetch,
     Printed,
     Restored,
     RestoreFailed,
@@ -113,6 +114,8 @@ class Deliveries:
                 self._lost(turn, error)
             case Restored(agent):
                 self._disk.restored(agent)
+            case Prefetch(agent):
+                self._disk.prefetch(agent)
             case SaveReady(command, image):
                 self._disk.save(command, image)
             case Snapshot(_, number, image):

@@ -20,7 +20,7 @@ from anyio.abc import TaskGroup
 
 from ...errors import MlxActorsError
 from ..residency._image import CacheImage
-from ._protocol import CacheStore, Forget, Save, Stored, WriteFailed
+from ._protocol import CacheStore, Forget, Prefetched, Save, Stored, WriteFailed
 
 
 class DiskWork:
@@ -39,6 +39,10 @@ class DiskWork:
         #: Where each agent's last save put its blocks, for the engine thread (sent
         #: with the agent's next commit or save: :meth:`take_stored`).
         self._stored: dict[str, Stored] = {}
+        #: Reads ahead of a turn under way (:meth:`prefetch`), and the latest one's
+        #: image until the agent's cache is back or leaves again.
+        self._prefetching: dict[str, anyio.Event] = {}
+        self._prefetched: tuple[str, CacheImage] | None = None
 
     def start(self, group: TaskGroup) -> None:
         self._group = group
@@ -88,17 +92,20 @@ class DiskWork:
     def evicted(self, agent: str, image: CacheImage) -> None:
         """The agent's cache left the pool as ``image``: write it."""
         self._out[agent] = image.serial
+        self._drop_prefetched(agent)
         self.run(agent, lambda: self._write_evicted(agent, image))
 
     def restored(self, agent: str) -> None:
         """The agent's cache is back in the pool (or dropped for good)."""
         self._out.pop(agent, None)
+        self._drop_prefetched(agent)
         if not self.store.persistent:  # a swap area keeps only what is out
             self.run(agent, lambda: self.store.drop(agent))
 
     def lost(self, agent: str) -> None:
         """The agent's saved cache does not fit the model: delete it."""
         self._out.pop(agent, None)
+        self._drop_prefetched(agent)
         self.run(agent, lambda: self.store.drop(agent))
 
     def save(self, command: Save, image: CacheImage | None) -> None:
@@ -136,11 +143,51 @@ class DiskWork:
 
     async def read(self, agent: str) -> CacheImage | None:
         """The agent's cache from the store, once its earlier disk work is done (``None``:
-        the write that evicted it failed, so it starts over).
+        the write that evicted it failed, so it starts over); a read ahead of the turn
+        already under way or done serves it.
 
         Raises:
             MlxActorsError: the files could not be read (they are deleted).
         """
+        ahead = self._prefetching.get(agent)
+        if ahead is not None:
+            await ahead.wait()
+        if self._prefetched is not None and self._prefetched[0] == agent:
+            image = self._prefetched[1]
+            self._prefetched = None
+            if agent in self._out:
+                return image
+        return await self._read(agent)
+
+    def prefetch(self, agent: str) -> None:
+        """Read the agent's cache back ahead of its turn, in the background, and send it
+        to the engine thread (:class:`Prefetched`; ``None`` if it could not be read: the
+        turn's own read then deals with the files)."""
+        assert self._group is not None
+        done = self._prefetching[agent] = anyio.Event()
+
+        async def read() -> None:
+            image = None
+            try:
+                image = await self._read(agent, ahead=True)
+            except Exception as exc:  # files deleted meanwhile, or unreadable
+                self._log.debug("blocks.prefetch_failed", agent=agent, error=repr(exc))
+            finally:
+                if image is not None and agent in self._out:  # (not forgotten meanwhile)
+                    self._prefetched = (agent, image)
+                self._put(Prefetched(agent, image))
+                del self._prefetching[agent]
+                done.set()
+
+        self._group.start_soon(read)
+
+    def _drop_prefetched(self, agent: str) -> None:
+        if self._prefetched is not None and self._prefetched[0] == agent:
+            self._prefetched = None
+
+    async def _read(self, agent: str, *, ahead: bool = False) -> CacheImage | None:
+        """The agent's cache from the store, once its earlier disk work is done; with
+        ``ahead`` (a prefetch) files that cannot be read are left for the turn's read."""
         pending = self._tail.get(agent)
         if pending is not None:
             await pending.wait()
@@ -150,6 +197,8 @@ class DiskWork:
         try:
             image = await self.store.load(agent)
         except MlxActorsError as exc:
+            if ahead:
+                raise
             # The agent's next turn starts again from its conversation.
             self._log.error("blocks.lost", agent=agent, error=str(exc))
             await self.forget(agent, drop=True)
@@ -160,6 +209,7 @@ class DiskWork:
             bytes=image.nbytes,
             source="disk",
             ms=round((time.perf_counter() - started) * 1e3, 2),
+            **({"prefetch": True} if ahead else {}),
         )
         return image
 
@@ -189,6 +239,7 @@ class DiskWork:
         self._put(Forget(agent))
         self._out.pop(agent, None)
         self._stored.pop(agent, None)
+        self._drop_prefetched(agent)
         if drop:
             await self.run(agent, lambda: self.store.drop(agent)).wait()
 

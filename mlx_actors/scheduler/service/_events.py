@@ -75,6 +75,14 @@ class Restored:
 
 
 @attrs.frozen
+class Prefetch:
+    """Read the agent's cache back from the store ahead of its turn, and send it to the
+    engine thread (:class:`~._protocol.Prefetched`)."""
+
+    agent: str
+
+
+@attrs.frozen
 class SaveReady:
     """What a :class:`~._protocol.Save` asked for: the blocks to write (``None``:
     nothing new, or the runtime shut down first)."""
@@ -120,6 +128,7 @@ Event = (
     | RestoreFailed
     | Evicted
     | Restored
+    | Prefetch
     | SaveReady
     | Snapshot
     | Statistics

@@ -22,6 +22,7 @@ from ..engine._engine import BlockPoolBatchEngine
 from ..engine._records import TokenEvent
 from ..residency._image import CacheImage
 from ..residency._manager import CacheEntry, CacheManager, nothing_to_evict
+from ..residency._prefetch import Prefetcher
 from . import _events as events
 from ._protocol import (
     SHUTDOWN,
@@ -31,6 +32,7 @@ from ._protocol import (
     Forget,
     Fork,
     Pin,
+    Prefetched,
     Query,
     Release,
     Save,
@@ -93,6 +95,8 @@ class EngineLoop:
         self._grammar_tokenizer: Any = None
         #: The command being applied (it is not in the queue any more).
         self.applying: object | None = None
+        #: Brings back the cache of the agent expected next while turns run.
+        self.prefetch = Prefetcher(caches, log=log)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -133,6 +137,8 @@ class EngineLoop:
                 self._step()
             if self.waiting and self._room:
                 self._admit_waiting()
+            if self.prefetch.due:
+                self._prefetch()
             if self.outbox:
                 items = self.outbox[:]
                 self.outbox.clear()
@@ -176,6 +182,8 @@ class EngineLoop:
             self.caches.adopt(command.agent, command.tokens)
         elif isinstance(command, Pin):
             self.caches.pin(command.agent, command.seconds)
+        elif isinstance(command, Prefetched):
+            self.prefetch.read_back(command.agent, command.image)
         elif isinstance(command, Fork):
             self._fork(command)
         elif isinstance(command, Query):
@@ -230,7 +238,7 @@ class EngineLoop:
         entry = self.caches.entry(turn.agent)
         try:
             if entry.evicted:
-                image = image or self.caches.in_host(turn.agent)
+                image = image or self.prefetch.image(turn.agent)
                 if image is None:  # on disk: the event loop reads it, then sends it back
                     self.outbox.append(events.NeedsRestore(turn))
                     return None
@@ -262,9 +270,18 @@ class EngineLoop:
             self.outbox.append(events.Failed(turn, error))
             return None
         self.caches.started(turn.agent)
+        self.prefetch.due = True  # which agent is expected next changed
         turn.uid = uid
         self.turns[uid] = turn
         return None
+
+    def _prefetch(self) -> None:
+        """Bring back the cache of the agent expected next, or ask for it to be read."""
+        restored, read = self.prefetch.run()
+        if restored is not None:
+            self.outbox.append(events.Restored(restored))
+        if read is not None:
+            self.outbox.append(events.Prefetch(read))
 
     def _constraint(self, turn: Turn) -> list[Constraint]:
         """The logits processor that holds ``turn``'s reply to its grammar, if any."""

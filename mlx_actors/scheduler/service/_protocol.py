@@ -72,6 +72,8 @@ class SchedulerStatistics:
     restores: int
     #: Of ``restores``, those served from host memory instead of the files.
     memory_restores: int = 0
+    #: Of ``restores``, those made ahead of the agent's turn (expected next).
+    prefetches: int = 0
     #: Bytes of evicted caches kept in host memory now.
     host_bytes: int = 0
 
@@ -183,6 +185,15 @@ class WriteFailed:
 @attrs.frozen
 class Forget:
     agent: str
+
+
+@attrs.frozen
+class Prefetched:
+    """The answer to a :class:`~._events.Prefetch`: the agent's cache read back from the
+    store ahead of its turn (``None``: it could not be)."""
+
+    agent: str
+    image: CacheImage | None
 
 
 @attrs.frozen
