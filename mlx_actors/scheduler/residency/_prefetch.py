@@ -45,6 +45,9 @@ class Prefetcher:
         image = self._caches.in_host(agent)
         if image is None and self._arrived is not None and self._arrived[0] == agent:
             image = self._arrived[1]
+            entry = self._caches.agents.get(agent)
+            if entry is None or not entry.evicted or image.tokens != entry.tokens:
+                self._arrived, image = None, None  # back since, or out again as another
         return image
 
     def read_back(self, agent: str, image: CacheImage | None) -> None:

@@ -42,7 +42,8 @@ class DiskWork:
         #: Reads ahead of a turn under way (:meth:`prefetch`), and the latest one's
         #: image until the agent's cache is back or leaves again.
         self._prefetching: dict[str, anyio.Event] = {}
-        self._prefetched: tuple[str, CacheImage] | None = None
+        #: (agent, the eviction's snapshot it was read for, image)
+        self._prefetched: tuple[str, int, CacheImage] | None = None
 
     def start(self, group: TaskGroup) -> None:
         self._group = group
@@ -153,9 +154,9 @@ class DiskWork:
         if ahead is not None:
             await ahead.wait()
         if self._prefetched is not None and self._prefetched[0] == agent:
-            image = self._prefetched[1]
+            _, serial, image = self._prefetched
             self._prefetched = None
-            if agent in self._out:
+            if self._out.get(agent) == serial:
                 return image
         return await self._read(agent)
 
@@ -165,6 +166,7 @@ class DiskWork:
         turn's own read then deals with the files)."""
         assert self._group is not None
         done = self._prefetching[agent] = anyio.Event()
+        serial = self._out.get(agent)
 
         async def read() -> None:
             image = None
@@ -173,8 +175,8 @@ class DiskWork:
             except Exception as exc:  # files deleted meanwhile, or unreadable
                 self._log.debug("blocks.prefetch_failed", agent=agent, error=repr(exc))
             finally:
-                if image is not None and agent in self._out:  # (not forgotten meanwhile)
-                    self._prefetched = (agent, image)
+                if image is not None and serial is not None and self._out.get(agent) == serial:
+                    self._prefetched = (agent, serial, image)  # still the cache that is out
                 self._put(Prefetched(agent, image))
                 del self._prefetching[agent]
                 done.set()
