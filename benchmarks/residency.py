@@ -25,10 +25,11 @@ first (untimed); then the timed turns are short questions with
 ``--reply``-token replies. Figures: wall time of the timed turns; caches brought back,
 of them ahead of their turn (``"next-use"`` brings back the agent expected next while
 other turns run), and the time spent bringing them back (the trace's ``blocks.read``
-from disk and ``blocks.restored``); the turns that waited on a restore after being asked
-and the time of those restores (``waited_ms``: the figure the policy should cut); every
-turn's time from being asked to its admission; bytes brought back; replies compared
-between the two policies.
+from disk and ``blocks.restored``); the turns whose cache came back only after they were
+asked (``turns_waited``), and the time from being asked to admission of the turns whose
+cache came back at all (``waited_ms``: the time waiting on restores, the figure the
+policy should cut); every turn's time from being asked to its admission; bytes brought
+back; replies compared between the two policies.
 """
 
 from __future__ import annotations
@@ -119,20 +120,26 @@ async def run(
 
 
 def waits(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """What the turns waited for: restores of their agent's cache made after the turn
-    was asked (not ahead of it), as a count of turns and the milliseconds of those
-    restores and their reads; and every turn's time from being asked to its admission
-    (restores, reads, and the engine's other work in between)."""
-    owed: set[str] = set()
+    """What the turns waited for their caches: the turns whose agent's cache was brought
+    back after the turn was asked (not ahead of it), and the time from being asked to
+    admission of every turn whose cache was brought back since its agent's last turn,
+    ahead or not (a restore ahead that was not done when the turn came still holds it
+    up); and that time for all turns."""
+    back: set[str] = set()  # agents whose cache came back since their last turn
+    late: set[str] = set()  # of those, brought back after the turn was asked
     waited, waited_ms = 0, 0.0
     for e in events:
         agent = e.get("agent", "")
-        if e["event"] in ("blocks.restored", "blocks.read") and not e.get("prefetch"):
-            owed.add(agent)
-            waited_ms += e.get("ms", 0.0)
-        elif e["event"] == "turn.admitted" and agent in owed:
-            waited += 1
-            owed.discard(agent)
+        if e["event"] == "blocks.restored":
+            back.add(agent)
+            if not e.get("prefetch"):
+                late.add(agent)
+        elif e["event"] == "turn.admitted":
+            if agent in back:
+                waited_ms += e["queued_ms"]
+            waited += agent in late
+            back.discard(agent)
+            late.discard(agent)
     admitted = [e for e in events if e["event"] == "turn.admitted"]
     return {
         "turns_waited": waited,

@@ -44,33 +44,35 @@ async def test_a_round_robin_restores_fewer_caches_than_lru_with_the_same_replie
 
 @pytest.mark.parametrize("host_bytes", [1 << 30, 0], ids=["host-memory", "disk"])
 async def test_the_agent_expected_next_comes_back_before_its_turn(
-    tiny_dir: Path, tmp_path: Path, host_bytes: int | None
+    tiny_dir: Path, tmp_path: Path, host_bytes: int
 ) -> None:
     names = [f"agent{i}" for i in range(5)]
     trace = tmp_path / "trace.jsonl"
     async with Runtime(tiny_dir, pool_blocks=64, log_level="off") as rt:
-        alone = {k: r.tokens for k, r in (await converse(rt, names, range(4))).items()}
-    async with Runtime(
-        tiny_dir, pool_blocks=14, log_level="off", trace=trace, host_bytes=host_bytes
+        alone = {k: r.tokens for k, r in (await converse(rt, names, range(5))).items()}
+    async with Runtime(  # room for two agents' caches and a turn's new blocks
+        tiny_dir, pool_blocks=18, log_level="off", trace=trace, host_bytes=host_bytes
     ) as rt:
-        replies = {k: r.tokens for k, r in (await converse(rt, names, range(4))).items()}
+        replies = {k: r.tokens for k, r in (await converse(rt, names, range(5))).items()}
         stats = await rt.stats()
     assert replies == alone  # brought back ahead or not, the same caches
     events = [json.loads(line) for line in trace.read_text().splitlines()]
-    restored = [e for e in events if e["event"] == "blocks.restored"]
-    reads = [e for e in events if e["event"] == "blocks.read" and e["source"] == "disk"]
-    assert len(restored) == stats.restores >= 3
+    # From its third turn on, each agent is asked in a regular order (every fifth turn):
+    # from the fourth round on, the next speaker's cache comes back ahead of its turn.
+    admitted = [i for i, e in enumerate(events) if e["event"] == "turn.admitted"]
+    late = events[admitted[3 * len(names)] :]
+    restored = [e for e in late if e["event"] == "blocks.restored"]
+    reads = [e for e in late if e["event"] == "blocks.read" and e["source"] == "disk"]
+    assert len(restored) >= 4 and stats.prefetches >= 4
     if host_bytes == 0:
-        # In a round robin the next speaker is known: each cache is read once, in the
-        # background, from the start of the turn before its own (whether the read or the
-        # turn reaches the engine first is the machine's doing).
-        assert len(reads) == stats.restores and all(e.get("prefetch") for e in reads)
+        # Each read once, in the background, from the start of the turn before its own
+        # (whether the read or the turn reaches the engine first is the machine's doing).
+        assert len(reads) == len(restored) and all(e.get("prefetch") for e in reads)
     else:
         # From host memory it came back while the turn before its own ran, every time.
-        assert stats.restores == stats.prefetches == stats.memory_restores
-        assert not reads
         assert all(e["prefetch"] == "next turn expected in 1 turns" for e in restored)
-    for e in events:  # only agents expected later made room for one expected next
+        assert not reads
+    for e in late:  # only agents expected later made room for one expected next
         if e["event"] == "blocks.evicted":
             assert int(e["why"].split()[-2]) > 1
 
@@ -85,8 +87,7 @@ async def test_a_pinned_agent_stays_while_others_can_leave(tiny_dir: Path, tmp_p
     evicted: dict[tuple[float | None, str], list[str]] = {}
     replies: dict[tuple[float | None, str], dict[object, object]] = {}
     # No pin, a pin, a pin that has run out (LRU: in a round robin agent0 would leave
-    # every round); and a pin with next-use, whose restores ahead of turns move out only
-    # unpinned agents.
+    # every round); and a pin with next-use.
     runs = [(None, "lru"), (3600.0, "lru"), (1e-9, "lru"), (3600.0, "next-use")]
     for seconds, eviction in runs:
         trace = tmp_path / f"{seconds}{eviction}.jsonl"
@@ -98,7 +99,6 @@ async def test_a_pinned_agent_stays_while_others_can_leave(tiny_dir: Path, tmp_p
                 rt.agent("agent0").pin(seconds)
             answered = await converse(rt, names, range(3))
             replies[seconds, eviction] = {k: r.tokens for k, r in answered.items()}
-            prefetches = (await rt.stats()).prefetches
         events = [json.loads(line) for line in trace.read_text().splitlines()]
         evicted[seconds, eviction] = [e["agent"] for e in events if e["event"] == "blocks.evicted"]
     none, pinned, expired, ahead = runs
@@ -106,7 +106,7 @@ async def test_a_pinned_agent_stays_while_others_can_leave(tiny_dir: Path, tmp_p
     assert "agent0" in evicted[none] and len(evicted[pinned]) > 3
     assert "agent0" not in evicted[pinned]
     assert evicted[expired] == evicted[none]  # an expired pin changes nothing
-    assert "agent0" not in evicted[ahead] and prefetches > 0
+    assert "agent0" not in evicted[ahead]
 
 
 def test_an_agent_between_tool_rounds_counts_as_pinned_for_a_minute() -> None:

@@ -51,3 +51,13 @@ def test_an_agent_past_its_time_is_expected_as_far_off_as_it_has_been_idle() -> 
     assert next_use.expected_in("old") == 8  # idle for 8 turns, due 6 turns ago
     next_use.forget("old")
     assert next_use.expected_in("old") == next_use.expected_in("never")
+
+
+def test_an_agent_is_regular_once_its_last_two_periods_agree() -> None:
+    next_use = NextUse()
+    for agent in ["a", "b", "c", "a", "b", "a", "c", "b", "a", "c", "b"]:
+        next_use.started(agent)
+    # a: periods 3, 2, 3; b: 3, 3, 3; c: 4, 3
+    assert [next_use.regular(agent) for agent in "abc"] == [False, True, False]
+    next_use.forget("b")
+    assert not next_use.regular("b") and not next_use.regular("d")

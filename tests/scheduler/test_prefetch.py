@@ -89,7 +89,7 @@ def test_only_agents_expected_later_make_room_for_the_one_expected_next(tiny: Lo
         caches.commit(
             name, cache_of(tiny, caches.pool, number, 300), hold=False, saving=False, snapshot=False
         )
-    for name in "abcd" * 2:  # a round robin: a is next, then b, c, d
+    for name in "abcd" * 3:  # a round robin: a is next, then b, c, d
         caches.next_use.started(name)
     assert [caches.next_use.expected_in(name) for name in "abcd"] == [1, 2, 3, 4]
     for name in "bcd":

@@ -9,7 +9,9 @@ started, and each agent's next turn is expected one of its own periods after its
 the gap between its last two turns, or, for an agent asked once, one turn of every agent
 known (a round among them all); an agent later than that is expected as far off as it
 has been idle. In a round robin that evicts the agent that spoke last; with a main agent
-and helpers, the helper that spoke last before the main agent.
+and helpers, the helper that spoke last before the main agent. An agent whose last two
+periods were the same is asked in a *regular* order: its expectation is firm enough to
+bring its cache back ahead of its turn (:mod:`._prefetch`).
 """
 
 from __future__ import annotations
@@ -22,18 +24,29 @@ class NextUse:
         self.turns = 0
         self._last: dict[str, int] = {}
         self._period: dict[str, int] = {}
+        self._regular: set[str] = set()
 
     def started(self, agent: str) -> None:
         """A turn of ``agent`` started."""
         last = self._last.get(agent)
         if last is not None:
-            self._period[agent] = self.turns - last
+            period = self.turns - last
+            if self._period.get(agent) == period:
+                self._regular.add(agent)
+            else:
+                self._regular.discard(agent)
+            self._period[agent] = period
         self._last[agent] = self.turns
         self.turns += 1
 
     def forget(self, agent: str) -> None:
         self._last.pop(agent, None)
         self._period.pop(agent, None)
+        self._regular.discard(agent)
+
+    def regular(self, agent: str) -> bool:
+        """Whether the agent's last two periods were the same."""
+        return agent in self._regular
 
     def expected_in(self, agent: str) -> int:
         """Turns from now until ``agent``'s next turn is expected (at least 1)."""

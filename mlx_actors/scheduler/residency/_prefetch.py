@@ -3,7 +3,8 @@ gets its cache back into the pool while other turns run, so that its turn does n
 for it (KVFlow, arXiv:2507.07400, overlaps such prefetches with the running steps).
 
 With ``eviction="next-use"``, after each turn starts, the evicted agent expected soonest
-(:class:`~._next_use.NextUse`), if it is expected within :data:`HORIZON` turns, is
+(:class:`~._next_use.NextUse`), if it is asked in a regular order (its last two periods
+the same) and expected within :data:`HORIZON` turns, is
 brought back when the pool has room for it without moving out any agent expected as soon
 or sooner, any pinned agent, or any agent with a turn in flight (:meth:`CacheManager.
 movable`). From host memory it is made blocks at once, between two steps; from the
@@ -89,11 +90,13 @@ class Prefetcher:
         return agent, None
 
     def _candidate(self) -> tuple[str, int] | None:
-        """The idle evicted agent expected soonest, within :data:`HORIZON` turns."""
+        """The idle evicted agent expected soonest, within :data:`HORIZON` turns, among
+        those asked in a regular order (a guess brings back one cache for nothing and
+        moves out another that may be needed)."""
         caches = self._caches
         best: tuple[int, str] | None = None
         for name, entry in caches.agents.items():
-            if entry.evicted and not entry.busy:
+            if entry.evicted and not entry.busy and caches.next_use.regular(name):
                 due = caches.next_use.expected_in(name)
                 if due <= HORIZON and (best is None or (due, name) < best):
                     best = (due, name)
