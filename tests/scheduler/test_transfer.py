@@ -23,7 +23,7 @@ from mlx_actors import Runtime
 from mlx_actors.runtime import _store
 from mlx_actors.runtime._disk import checksum, read_safetensors, safetensors_bytes
 from mlx_actors.scheduler.residency import _transfer, to_device, to_host
-from mlx_actors.scheduler.residency._host_memory import HostMemory
+from mlx_actors.scheduler.residency._host_memory import HostMemory, plain_memory
 
 
 @pytest.fixture
@@ -131,6 +131,27 @@ def test_copies_go_into_slots_that_come_back_when_the_last_view_is_gone(
     made = memory.nbytes
     again = to_host(device)
     assert memory.nbytes == made and all(memory.holds(b) for b in again)
+
+
+@pytest.mark.timeout(60)
+def test_a_slot_given_back_by_the_collector_while_slots_are_taken() -> None:
+    """The garbage collector may free the last view of a slot while the same thread
+    takes slots (it runs at any allocation, here the slab's): the slot comes back, and
+    the taking goes on (it deadlocked on the lock the taking held)."""
+
+    def collecting(nbytes: int) -> tuple[int, object]:
+        gc.collect()  # as the collector would, at this allocation
+        return plain_memory(nbytes)
+
+    memory = HostMemory(collecting)
+    memory.allow(1 << 20)
+    taken = memory.take([((1024,), np.dtype(np.uint32))])  # a 4 KiB slot
+    assert taken is not None
+    cycle: list[object] = [taken[0]]
+    cycle.append(cycle)  # only the collector frees it
+    del taken, cycle
+    more = memory.take([((8192,), np.dtype(np.uint8))])  # another size: a new slab
+    assert more is not None and memory.free_bytes() == 4096
 
 
 def test_past_its_limit_host_memory_takes_nothing_and_copies_go_to_fresh_arrays(

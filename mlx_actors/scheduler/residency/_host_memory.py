@@ -79,7 +79,10 @@ class HostMemory:
         self._slabs: dict[int, list[_Slab]] = {}
         self._bases: list[int] = []  # sorted
         self._by_base: dict[int, _Slab] = {}
-        self._lock = threading.Lock()
+        # Reentrant: a slot's finalizer (:meth:`_give_back`) can run on a thread that
+        # holds the lock, when garbage collection frees the last view of a slot inside
+        # :meth:`take` (the collector runs at any allocation there).
+        self._lock = threading.RLock()
 
     def allow(self, nbytes: int) -> None:
         """Let the slabs grow to ``nbytes`` at least (limits only rise)."""
