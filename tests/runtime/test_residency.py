@@ -7,13 +7,16 @@ import json
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from mlx_actors import Runtime
-from mlx_actors.errors import AgentClosedError, InvalidRequestError
+from mlx_actors.errors import AgentClosedError, InvalidRequestError, TurnTimeoutError
+from mlx_actors.runtime._store import DiskCacheStore
+from mlx_actors.scheduler.residency._image import CacheImage
 from mlx_actors.scheduler.residency._manager import ROUND_PIN_SECONDS, CacheEntry
 
-from .test_persistence import converse
+from .test_persistence import converse, question
 
 pytestmark = pytest.mark.anyio
 
@@ -75,6 +78,48 @@ async def test_the_agent_expected_next_comes_back_before_its_turn(
     for e in late:  # only agents expected later made room for one expected next
         if e["event"] == "blocks.evicted":
             assert int(e["why"].split()[-2]) > 1
+
+
+async def test_a_turn_given_up_while_its_cache_is_read_ahead_leaves_nothing_behind(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    names = [f"agent{i}" for i in range(5)]
+    trace = tmp_path / "trace.jsonl"
+
+    def runtime(**more: Path) -> Runtime:  # every evicted cache to disk
+        return Runtime(tiny_dir, pool_blocks=18, log_level="off", host_bytes=0, **more)
+
+    async with runtime() as rt:
+        alone = {k: r.tokens for k, r in (await converse(rt, names, range(5))).items()}
+    gate, loads = anyio.Event(), []
+    load = DiskCacheStore.load
+
+    async def slow_load(self: DiskCacheStore, agent: str) -> CacheImage:
+        loads.append(agent)
+        if agent == "agent2":
+            await gate.wait()  # the disk is slow for agent2
+        return await load(self, agent)
+
+    monkeypatch.setattr(DiskCacheStore, "load", slow_load)
+    async with runtime(trace=trace) as rt:
+        replies = {k: r.tokens for k, r in (await converse(rt, names, range(4))).items()}
+        for name in ("agent0", "agent1"):  # agent2's cache is read ahead meanwhile
+            replies[name, 4] = (await rt.agent(name).ask(question(name, 4))).tokens
+        assert loads[-1] == "agent2"
+        with pytest.raises(TurnTimeoutError):  # its turn waits for that read, then gives up
+            await rt.agent("agent2").ask(question("agent2", 4), timeout=0.5)
+        reads = loads.count("agent2")
+        gate.set()
+        for name in names[2:]:
+            replies[name, 4] = (await rt.agent(name).ask(question(name, 4))).tokens
+        assert loads.count("agent2") == reads  # its next turn took the read ahead
+        stats = await rt.stats()
+        resident = [a.statistics() for a in rt.agents.values()]
+        held = sum(a.cached_blocks for a in resident if not a.on_disk)
+        assert stats.pool.used_blocks == held and stats.turns_in_flight == 0
+    assert replies == alone  # nothing of the turn given up is left
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert any(e["event"] == "blocks.prefetching" and e["agent"] == "agent2" for e in events)
 
 
 async def test_an_unknown_eviction_policy_is_refused(tiny_dir: Path) -> None:
