@@ -207,14 +207,14 @@ async def test_a_request_still_arriving_holds_back_one_sent_after_it(tiny: Loade
             "POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nConnection: close\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode()
-        seen: list[int] = []
 
-        async def until(counts: list[int]) -> None:
-            """Until the count of turns on their way has gone through ``counts``."""
+        async def until(count: int, agents: int) -> None:
+            """Until ``count`` turns are on their way and ``agents`` sessions have begun
+            (a state that lasts: a count passing through a value may be missed)."""
             with anyio.fail_after(60):
-                while seen[-len(counts) :] != counts:
-                    if not seen or seen[-1] != coming.count:
-                        seen.append(coming.count)
+                while True:
+                    if (coming.count, len(rt.agents)) == (count, agents):
+                        return
                     await anyio.sleep(0.001)
 
         async def ask() -> None:
@@ -225,10 +225,12 @@ async def test_a_request_still_arriving_holds_back_one_sent_after_it(tiny: Loade
 
         async with await anyio.connect_tcp(host, int(port)) as slow:
             await slow.send(head + body[:10])
-            await until([1])  # the first request, its body not whole yet
+            await until(1, 0)  # the first request, its body not whole yet
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ask)
-                await until([1, 2, 1])  # the second one came and was handed to the engine
+                # The second one came (2 on their way), began its session and was handed
+                # to the engine (1 again: the first's, whose session has not begun).
+                await until(1, 1)
                 await slow.send(body[10:])
                 answer = b""
                 with contextlib.suppress(anyio.EndOfStream):  # the whole response
