@@ -433,10 +433,11 @@ async def test_an_engine_error_fails_its_turns_and_other_agents_keep_working(
         await gus.ask(QUESTIONS[0])
         before = gus.history
         question = long_question(tiny, before)
+        rt.faulty.fail_in = 10  # a pass in the middle of gus's turn (150 tokens) fails
         with pytest.raises(EngineError, match="injected fault"):
             async with gus.stream(question, max_tokens=150) as stream:
                 async for _ in stream:
-                    rt.faulty.armed = True
+                    pass
         assert gus.history == before
         reply = await hal.ask(QUESTIONS[2])
         prompt = render(tiny.tokenizer, hal.history[:-1])

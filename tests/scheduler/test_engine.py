@@ -352,17 +352,24 @@ def test_no_leaks_after_a_mixed_workload(tiny: Loaded) -> None:
 
 class Faulty:
     """The real tiny model with faults that can be switched on: ``armed`` makes its next
-    forward pass raise (as a real MLX error or running out of memory would), ``delay``
+    forward pass raise (as a real MLX error or running out of memory would), ``fail_in``
+    the pass after that many more (set from another thread, it still lands in the turn
+    it counts in), ``delay``
     makes every pass take that many seconds longer (as a bigger model would)."""
 
     def __init__(self, model) -> None:
         self._model = model
         self.armed = False
+        #: Passes to run before one fails (``None``: none fails this way).
+        self.fail_in: int | None = None
         self.delay = 0.0
 
     def __call__(self, *args, **kwargs):
+        if self.fail_in is not None:
+            self.fail_in -= 1
+            self.armed = self.armed or self.fail_in < 0
         if self.armed:
-            self.armed = False
+            self.armed, self.fail_in = False, None
             raise RuntimeError("injected fault")
         if self.delay:
             time.sleep(self.delay)
