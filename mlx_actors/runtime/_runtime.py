@@ -19,22 +19,15 @@ from typing_extensions import Unpack
 
 from ..actors import Agent, Message, Tool, TurnSettings, running_here
 from ..errors import InvalidRequestError, RuntimeClosedError
-from ..scheduler import EVICTION_POLICIES, Expected, KVQuantization, Scheduler
+from ..scheduler import Expected, KVQuantization, Scheduler
 from ._keeping import AgentKeeper
 from ._models import check_model, load_model
+from ._options import scheduler_options
 from ._registry import Registry, check_spawn
 from ._state import StateDir
 from ._statistics import RuntimeStatistics, runtime_statistics
 from ._store import DiskCacheStore
 from ._trace import Trace, logging_to
-
-
-def _default_pool_bytes() -> int:
-    """A quarter of physical memory: room for the model and the batch's working caches."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-    except (ValueError, OSError, AttributeError):
-        return 4 << 30
 
 
 class Runtime:
@@ -145,37 +138,23 @@ class Runtime:
         compile_kernels: bool = False,
         eviction: str = "next-use",
     ) -> None:
-        for name, value in (
-            ("max_batch_size", max_batch_size),
-            ("prefill_step_size", prefill_step_size),
-            ("mailbox_size", mailbox_size),
-            ("pool_bytes", pool_bytes),
-            ("pool_blocks", pool_blocks),
-        ):
-            if value is None and name.startswith("pool"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidRequestError(f"{name} must be a positive int, got {value!r}")
-        if (
-            isinstance(admission_window, bool)
-            or not isinstance(admission_window, (int, float))
-            or not 0 <= admission_window <= 1
-        ):
-            raise InvalidRequestError(
-                f"admission_window must be seconds in [0, 1], got {admission_window!r}"
-            )
-        if pool_bytes is not None and pool_blocks is not None:
-            raise InvalidRequestError("give pool_bytes or pool_blocks, not both")
-        if host_bytes is not None and (
-            isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < 0
-        ):
-            raise InvalidRequestError(f"host_bytes must be an int >= 0, got {host_bytes!r}")
-        if eviction not in EVICTION_POLICIES:
-            raise InvalidRequestError(
-                f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {eviction!r}"
-            )
+        options = scheduler_options(
+            max_batch_size=max_batch_size,
+            pool_bytes=pool_bytes,
+            pool_blocks=pool_blocks,
+            host_bytes=host_bytes,
+            prefill_step_size=prefill_step_size,
+            admission_window=admission_window,
+            mailbox_size=mailbox_size,
+            share_prefixes=share_prefixes,
+            kv_quantization=KVQuantization(kv_bits, kv_group_size) if kv_bits is not None else None,
+            paged_batch=paged_batch,
+            decode_kernel=decode_kernel,
+            compile_kernels=compile_kernels,
+            eviction=eviction,
+        )
         check_model(model, dequantize=dequantize)  # a path that names nothing: now, not later
-        self._kv = KVQuantization(kv_bits, kv_group_size) if kv_bits is not None else None
+        self._kv = options["kv_quantization"]
         self._model = model
         self._dequantize = dequantize
         self._mailbox_size = mailbox_size
@@ -183,22 +162,7 @@ class Runtime:
         process = f"mlx-actors: {model if model is not None else 'default model'}"
         self._trace = Trace(trace, level=log_level, process=process)
         self.log = self._trace.log
-        if pool_blocks is None and pool_bytes is None:
-            pool_bytes = _default_pool_bytes()
-        self._scheduler_options: dict[str, Any] = dict(
-            pool_blocks=pool_blocks,
-            pool_bytes=pool_bytes,
-            host_bytes=host_bytes,
-            max_batch_size=max_batch_size,
-            prefill_step_size=prefill_step_size,
-            admission_window=admission_window,
-            share_prefixes=bool(share_prefixes),
-            kv_quantization=self._kv,
-            paged_batch=bool(paged_batch),
-            decode_kernel=bool(decode_kernel),
-            compile_kernels=bool(compile_kernels),
-            eviction=eviction,
-        )
+        self._scheduler_options = options
         self._registry = Registry(check_running=self._check_running, log=self.log)
         self._tg: TaskGroup | None = None
         self._closed = False
