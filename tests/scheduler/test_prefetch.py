@@ -31,14 +31,16 @@ class Log:
     debug = info
 
 
-def setup(tiny: Loaded, blocks: int) -> tuple[CacheManager, Prefetcher, dict[str, CacheImage]]:
+def setup(
+    tiny: Loaded, blocks: int, host: int = 0
+) -> tuple[CacheManager, Prefetcher, dict[str, CacheImage]]:
     pool = BlockPool(tiny.spec, total_blocks=blocks)
     out: dict[str, CacheImage] = {}
     caches = CacheManager(
         pool,
         PrefixIndex(tiny.spec),
         kept_for(pool),
-        HostCaches(0),  # every evicted cache goes to disk only
+        HostCaches(host),  # 0: every evicted cache goes to disk only
         log=Log(),
         on_evicted=out.__setitem__,
         share_prefixes=False,
@@ -104,3 +106,20 @@ def test_only_agents_expected_later_make_room_for_the_one_expected_next(tiny: Lo
     assert not caches.entry("a").evicted and caches.prefetches == 1
     # c, expected after b, made room; d, expected last, is pinned
     assert list(out) == ["c"] and not caches.entry("d").evicted
+
+
+def test_host_memory_keeps_the_caches_expected_soonest(tiny: Loaded) -> None:
+    caches, _, out = setup(tiny, blocks=400, host=1 << 30)
+    for number, name in enumerate("abc"):
+        blocks = cache_of(tiny, caches.pool, number, 300)
+        caches.commit(name, blocks, hold=False, saving=False, snapshot=False)
+    for name in "abc" * 2:
+        caches.next_use.started(name)  # a round robin: a, b, c expected in 1, 2, 3 turns
+    assert caches.make_room("z") and caches.make_room("z")  # c, then b
+    assert list(out) == ["c", "b"]
+    caches.host.budget = 2 * out["c"].nbytes  # room for two of these caches
+    caches.next_use.started("a")  # a spoke: now b, c, a are expected in 1, 2, 3
+    assert caches.make_room("z")
+    # Host memory is short: the cache expected furthest (a's, the newest) is let go,
+    # not the least recently evicted (c's, expected in two turns).
+    assert "a" not in caches.host and "b" in caches.host and "c" in caches.host

@@ -122,6 +122,8 @@ class CacheManager:
         self._serial = 0
         self.eviction = eviction
         self.next_use = NextUse()
+        if eviction == "next-use":  # host memory keeps the caches expected soonest
+            host.rank = self.next_use.expected_in
 
     def entry(self, agent: str) -> CacheEntry:
         """The agent's record (a new, empty one if it has none)."""
