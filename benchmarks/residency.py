@@ -21,10 +21,10 @@ goes first), the pool at half the workload's cache (``--pool-share``):
   restore before a worker's second turn of a task), and the pinned agents evicted.
 
 Histories (a text of their own for each agent, so that no blocks are shared) are built
-first (untimed); then the timed turns are short questions with
-``--reply``-token replies. Figures: wall time of the timed turns; caches brought back,
-of them ahead of their turn (``"next-use"`` brings back the agent expected next while
-other turns run), and the time spent bringing them back (the trace's ``blocks.read``
+first (untimed); then the timed turns are short questions with ``--reply``-token
+replies. Figures: wall time of the timed turns; caches brought back, of them ahead of
+their turn (``"next-use"`` brings back the agent expected next while other turns run)
+and from host memory, and the time spent bringing them back (the trace's ``blocks.read``
 from disk and ``blocks.restored``); the turns whose cache came back only after they were
 asked (``turns_waited``), and the time from being asked to admission of the turns whose
 cache came back at all (``waited_ms``: the time waiting on restores, the figure the
@@ -110,6 +110,7 @@ async def run(
         "pool_blocks": pool_blocks,
         "restores": after.restores - before.restores,
         "restores_ahead": after.prefetches - before.prefetches,
+        "restores_from_memory": after.memory_restores - before.memory_restores,
         "restore_ms": round(sum(e.get("ms", 0.0) for e in back), 1),
         **waits(events),
         "bytes_back": sum(e["bytes"] for e in events if e["event"] == "blocks.restored"),

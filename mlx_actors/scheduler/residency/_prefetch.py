@@ -86,7 +86,8 @@ class Prefetcher:
         except (PoolExhaustedError, CacheReconstructionError):
             return None, None  # its turn restores it, or finds out why not
         finally:
-            self._arrived = None
+            if self._arrived is not None and self._arrived[0] == agent:
+                self._arrived = None  # made blocks, or its turn takes it
         return agent, None
 
     def _candidate(self) -> tuple[str, int] | None:
