@@ -261,19 +261,25 @@ class CacheManager:
 
     # -- room in the pool ----------------------------------------------------------------------
 
-    def make_room(self, agent: str) -> bool:
+    def make_room(self, agent: str, later_than: int | None = None) -> bool:
         """Give back a kept cache's units, or else move one idle cache (not ``agent``'s)
-        out of the pool; whether either happened."""
+        out of the pool; whether either happened. With ``later_than`` (``agent`` is
+        brought back ahead of its turn, expected in that many turns), only a cache
+        :meth:`movable` for it leaves, and kept copies stay."""
+        if later_than is not None:
+            return self._evict_one(agent, later_than)
         return self._kept.make_way(agent) or self._evict_one(exclude=agent)
 
-    def with_room(self, agent: str, attempt: Callable[[], Any]) -> Any:
-        """Run ``attempt``; while the pool is short, give back a kept cache's units, or
-        else move the least recently used idle agent's cache out of it, and try again."""
+    def with_room(
+        self, agent: str, attempt: Callable[[], Any], later_than: int | None = None
+    ) -> Any:
+        """Run ``attempt``; while the pool is short, make room (:meth:`make_room`) and
+        try again."""
         while True:
             try:
                 return attempt()
             except PoolExhaustedError as exc:
-                if not self.make_room(agent):
+                if not self.make_room(agent, later_than):
                     raise nothing_to_evict(exc) from None
 
     def _evict_one(self, exclude: str, later_than: int | None = None) -> bool:
@@ -377,8 +383,7 @@ class CacheManager:
     def restore(self, agent: str, image: CacheImage, *, later_than: int | None = None) -> None:
         """Make the agent's evicted cache blocks of the pool again, from ``image`` (read
         back from the store, or :meth:`in_host`). With ``later_than`` it is brought back
-        ahead of its turn (expected in that many turns): only caches :meth:`movable`
-        for it leave to make room (kept copies stay).
+        ahead of its turn (expected in that many turns): see :meth:`make_room`.
 
         Raises:
             CacheReconstructionError: the image does not hold the agent's cache.
@@ -400,15 +405,10 @@ class CacheManager:
             nonlocal room
             began = time.perf_counter()
             try:
-                if later_than is None:
-                    reservation: Reservation = self.with_room(agent, lambda: self.pool.reserve(n))
-                    return reservation
-                while True:
-                    try:
-                        return self.pool.reserve(n)
-                    except PoolExhaustedError:
-                        if not self._evict_one(agent, later_than):
-                            raise
+                reserved: Reservation = self.with_room(
+                    agent, lambda: self.pool.reserve(n), later_than
+                )
+                return reserved
             finally:
                 room += time.perf_counter() - began
 
