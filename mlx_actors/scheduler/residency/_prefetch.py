@@ -84,10 +84,9 @@ class Prefetcher:
         try:
             caches.restore(agent, image, later_than=due)
         except (PoolExhaustedError, CacheReconstructionError):
-            return None, None  # its turn restores it, or finds out why not
-        finally:
-            if self._arrived is not None and self._arrived[0] == agent:
-                self._arrived = None  # made blocks, or its turn takes it
+            return None, None  # its turn restores it (from what arrived), or finds out why not
+        if self._arrived is not None and self._arrived[0] == agent:
+            self._arrived = None
         return agent, None
 
     def _candidate(self) -> tuple[str, int] | None:
