@@ -1,10 +1,12 @@
 """Kernels that copy blocks between the device and host memory mapped into the GPU's
-address space (slots of :class:`~._host_memory.HostMemory` on CUDA): out, blocks put
-together on the device and written to their slots by a table of (offset, address,
-bytes); in, slots read into one device buffer by a table of (address, offset, bytes),
-then split into the blocks' own arrays. One launch per group of blocks, on MLX's
-stream; nothing MLX holds is exported. A kernel MLX cannot compile or launch turns them
-off for the process (:data:`failed`), and :mod:`._transfer` copies the other way."""
+address space (slots of :class:`~._host_memory.HostMemory` on CUDA): out, each block's
+device array written to its slot; in, each slot read into a device array of its own.
+A launch takes :data:`WIDTH` arrays as arguments of its own (inputs out, outputs in)
+and a table of each one's host address and bytes, on MLX's stream; nothing MLX holds
+is exported, and no buffer is put together or split on the device (on an H200, 1,024
+arrays of 256 KiB: out 33 ms, in 22 ms, against 44 and 30 ms that way). A kernel MLX
+cannot compile or launch turns them off for the process (:data:`failed`), and
+:mod:`._transfer` copies the other way."""
 
 from __future__ import annotations
 
@@ -23,26 +25,22 @@ MX_BITS: dict[np.dtype[Any], mx.Dtype] = {
 NP_BITS: dict[mx.Dtype, np.dtype[Any]] = {v: k for k, v in MX_BITS.items()}
 
 
-def copy(
-    groups: Sequence[Sequence[np.ndarray]], device: Sequence[mx.array]
-) -> list[mx.array] | None:
-    """With ``device``: its arrays copied into the host arrays of ``groups`` (slots of
-    the mapped host memory, as many, in order); without: new device arrays equal to
-    them. A launch per group; ``None`` (nothing copied) if a size or an address does
+def copy(host: Sequence[np.ndarray], device: Sequence[mx.array]) -> list[mx.array] | None:
+    """With ``device``: its arrays copied into ``host`` (slots of the mapped host
+    memory, as many, in order); without: new device arrays equal to ``host``. A launch
+    per :data:`WIDTH` arrays; ``None`` (nothing copied) if a size or an address does
     not suit the 16-byte copies, or the kernels failed before."""
-    if failed or any(h.nbytes % 16 or h.ctypes.data % 16 for g in groups for h in g):
+    if failed or any(h.nbytes % 16 or h.ctypes.data % 16 for h in host):
         return None
     out: list[mx.array] = []
     done = []
-    start = 0
     try:
-        for group in groups:
-            stop = start + len(group)
+        for start in range(0, len(host), WIDTH):
+            launch = host[start : start + WIDTH]
             if device:
-                done.append(_launch_out(group, device[start:stop]))
+                done.append(_launch_out(launch, device[start : start + WIDTH]))
             else:
-                out.extend(_launch_in(group))
-            start = stop
+                out.extend(_launch_in(launch))
         mx.eval(done or out)
         mx.synchronize()  # the kernels' writes to host memory are done
     except RuntimeError as exc:  # MLX could not compile or launch them: copy otherwise
@@ -55,30 +53,36 @@ def copy(
 failed: list[str] = []
 
 
-_SOURCE_OUT = """
-    const int64_t* e = table + 3 * blockIdx.y;
-    const uint4* s = reinterpret_cast<const uint4*>(src + e[0]);
-    uint4* d = reinterpret_cast<uint4*>(e[1]);
-    const int64_t n = e[2] / 16;
+#: Arrays per launch: each one argument of the kernel (a device array taken, out, or
+#: made, in), chosen by the launch's ``blockIdx.y``.
+WIDTH = 32
+
+
+def _source(direction: str) -> str:
+    """A kernel's body over :data:`WIDTH` device arrays (``a0``...), ``table``: per array
+    its host address and bytes (0 for the arrays that pad a launch)."""
+    cases = " ".join(f"case {i}: a = a{i}; break;" for i in range(WIDTH))
+    if direction == "out":
+        pick = f"const void* a = nullptr; switch (blockIdx.y) {{ {cases} }}"
+        ends = "const uint4* s = reinterpret_cast<const uint4*>(a);\n"
+        ends += "    uint4* d = reinterpret_cast<uint4*>(e[0]);"
+    else:
+        pick = f"void* a = nullptr; switch (blockIdx.y) {{ {cases} }}"
+        ends = "const uint4* s = reinterpret_cast<const uint4*>(e[0]);\n"
+        ends += "    uint4* d = reinterpret_cast<uint4*>(a);"
+    done = "if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) { done[0] = 1; }"
+    return f"""
+    const int64_t* e = table + 2 * blockIdx.y;
+    {pick}
+    {ends}
+    const int64_t n = e[1] / 16;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
+         i += (int64_t)gridDim.x * blockDim.x) {{
         d[i] = s[i];
-    }
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-        done[0] = 1;
-    }
+    }}
+    {done if direction == "out" else ""}
 """
 
-_SOURCE_IN = """
-    const int64_t* e = table + 3 * blockIdx.y;
-    const uint4* s = reinterpret_cast<const uint4*>(e[0]);
-    uint4* d = reinterpret_cast<uint4*>(o + e[1]);
-    const int64_t n = e[2] / 16;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        d[i] = s[i];
-    }
-"""
 
 _kernels: dict[str, Any] = {}
 
@@ -86,36 +90,36 @@ _kernels: dict[str, Any] = {}
 def _kernel(name: str) -> Any:
     kernel = _kernels.get(name)
     if kernel is None:
+        names = [f"a{i}" for i in range(WIDTH)]
         if name == "out":
-            inputs, outputs, source = ["src", "table"], ["done"], _SOURCE_OUT
+            inputs, outputs = ["table", *names], ["done"]
         else:
-            inputs, outputs, source = ["table"], ["o"], _SOURCE_IN
+            inputs, outputs = ["table"], names
         kernel = _kernels[name] = mx.fast.cuda_kernel(
             name=f"mlx_actors_host_{name}",
             input_names=inputs,
             output_names=outputs,
-            source=source,
+            source=_source(name),
         )
     return kernel
 
 
 def _threads(host: Sequence[np.ndarray]) -> int:
     """Threads per array: one 16-byte piece each, up to 64 blocks of 256."""
-    most = max(h.nbytes for h in host) // 16
+    most = max((h.nbytes for h in host), default=16) // 16
     return 256 * max(1, min(64, -(-most // 256)))
 
 
 def _launch_out(host: Sequence[np.ndarray], device: Sequence[mx.array]) -> mx.array:
-    """One launch: ``device`` (put together on the device) written into ``host``."""
-    src = mx.concatenate([a.reshape(-1).view(mx.uint8) for a in device])
+    """One launch: each of ``device`` (at most :data:`WIDTH`) written into its ``host``."""
+    pad = WIDTH - len(host)
     table: list[int] = []
-    offset = 0
     for h in host:
-        table += (offset, h.ctypes.data, h.nbytes)
-        offset += h.nbytes
+        table += (h.ctypes.data, h.nbytes)
+    table += (0, 0) * pad
     (done,) = _kernel("out")(
-        inputs=[src, mx.array(table, dtype=mx.int64)],
-        grid=(_threads(host), len(host), 1),
+        inputs=[mx.array(table, dtype=mx.int64), *device, *[_nothing()] * pad],
+        grid=(_threads(host), WIDTH, 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(1,)],
         output_dtypes=[mx.uint8],
@@ -124,44 +128,42 @@ def _launch_out(host: Sequence[np.ndarray], device: Sequence[mx.array]) -> mx.ar
 
 
 def _launch_in(host: Sequence[np.ndarray]) -> list[mx.array]:
-    """One launch: ``host`` read into one device buffer, then an array of its own each."""
+    """One launch: each of ``host`` (at most :data:`WIDTH`) read into an array of its own."""
+    pad = WIDTH - len(host)
     table: list[int] = []
-    offset = 0
     for h in host:
-        table += (h.ctypes.data, offset, h.nbytes)
-        offset += h.nbytes
-    (staged,) = _kernel("in")(
+        table += (h.ctypes.data, h.nbytes)
+    table += (0, 0) * pad
+    out = _kernel("in")(
         inputs=[mx.array(table, dtype=mx.int64)],
-        grid=(_threads(host), len(host), 1),
+        grid=(_threads(host), WIDTH, 1),
         threadgroup=(256, 1, 1),
-        output_shapes=[(offset,)],
-        output_dtypes=[mx.uint8],
+        output_shapes=[h.shape for h in host] + [(16,)] * pad,
+        output_dtypes=[MX_BITS[h.dtype] for h in host] + [mx.uint8] * pad,
     )
-    out = []
-    offset = 0
-    for h in host:
-        bits = MX_BITS[h.dtype]
-        # a view of the staged bytes, then its bits in a buffer of its own
-        piece = staged[offset : offset + h.nbytes].view(bits).reshape(h.shape)
-        out.append(piece + mx.array(0, bits))
-        offset += h.nbytes
-    return out
+    return list(out[: len(host)])
+
+
+def _nothing() -> mx.array:
+    """The 16 bytes that pad a launch's arrays."""
+    if not _pad:
+        _pad.append(mx.zeros((16,), mx.uint8))
+    return _pad[0]
+
+
+_pad: list[mx.array] = []
 
 
 def compile_kernels() -> None:
     """Have MLX compile the kernels: each launched once with nothing to copy."""
-    nothing = mx.array([0, 0, 0], dtype=mx.int64)
-    shapes = {"out": [(1,)], "in": [(16,)]}
     try:
-        for name, inputs in (("out", [mx.zeros((16,), mx.uint8), nothing]), ("in", [nothing])):
-            mx.eval(
-                _kernel(name)(
-                    inputs=inputs,
-                    grid=(256, 1, 1),
-                    threadgroup=(256, 1, 1),
-                    output_shapes=shapes[name],
-                    output_dtypes=[mx.uint8],
-                )
-            )
+        made = _kernel("in")(
+            inputs=[mx.zeros((2 * WIDTH,), mx.int64)],
+            grid=(256, WIDTH, 1),
+            threadgroup=(256, 1, 1),
+            output_shapes=[(16,)] * WIDTH,
+            output_dtypes=[mx.uint8] * WIDTH,
+        )
+        mx.eval(*made, _launch_out([], []))
     except RuntimeError as exc:
         failed.append(repr(exc))

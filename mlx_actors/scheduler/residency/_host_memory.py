@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -94,16 +95,14 @@ class HostMemory:
     ) -> list[np.ndarray] | None:
         """An uninitialised array of each ``(shape, dtype)``, each in a slot of its own, or
         ``None`` (nothing taken) if the slabs cannot hold them all within the limit."""
-        sizes = [
-            _slot_size(int(np.prod(shape)) * np.dtype(dtype).itemsize) for shape, dtype in arrays
-        ]
+        sizes = [_slot_size(math.prod(shape) * np.dtype(dtype).itemsize) for shape, dtype in arrays]
         with self._lock:
             slots = self._take_slots(sizes)
         if slots is None:
             return None
         out = []
         for (shape, dtype), (slab, index) in zip(arrays, slots, strict=True):
-            count = int(np.prod(shape))
+            count = math.prod(shape)
             memory = (ctypes.c_uint8 * slab.slot).from_address(slab.base + index * slab.slot)
             weakref.finalize(memory, self._give_back, slab, index)
             out.append(np.frombuffer(memoryview(memory), dtype, count).reshape(shape))
