@@ -51,7 +51,8 @@ class RuntimeStatistics:
     #: Of ``restores``, those made ahead of the agent's turn, while other turns ran (it
     #: was expected to be asked next).
     prefetches: int = 0
-    #: Bytes of evicted caches kept in host memory now (at most ``host_bytes``).
+    #: Bytes of evicted caches, and of host copies of blocks in the pool, kept in host
+    #: memory now (at most ``host_bytes``).
     host_bytes: int = 0
 
 

@@ -810,6 +810,45 @@ async def test_a_restored_cache_too_large_beside_its_turn_gives_way_to_a_fresh_s
         assert (await rt.stats()).pool.used_blocks == 0  # its cache made way, and the turn
 
 
+async def test_an_agent_brought_back_leaves_again_copying_only_its_newer_blocks(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    # A pool that holds one of the two agents: each turn moves the other out. An agent
+    # whose cache came back from host memory keeps that copy of its blocks, so that
+    # leaving again copies out only the blocks its turn made.
+    async def run(pool: int, trace: Path | None) -> list[list[int]]:
+        async with Runtime(
+            tiny_dir, pool_blocks=pool, host_bytes=1 << 26, log_level="off", trace=trace
+        ) as rt:
+            for name in ("ann", "bob"):
+                await rt.spawn(name, system=f"You are {name}. " + "Go on. " * 40, max_tokens=8)
+            replies = [
+                list((await rt.agent(name).ask(question(name, turn))).tokens)
+                for turn in range(3)
+                for name in ("ann", "bob")
+            ]
+            assert (await rt.stats()).memory_restores >= (3 if trace else 0)
+        return replies
+
+    trace = tmp_path / "run.jsonl"
+    assert await run(POOL_FOR_ONE, trace) == await run(400, None)
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    restored: set[str] = set()
+    partial = 0
+    for e in events:
+        if e["event"] == "blocks.restored":
+            restored.add(e["agent"])
+        elif e["event"] == "blocks.dropped":  # its turn started over: every block new
+            restored.discard(e["agent"])
+        elif e["event"] == "blocks.evicted":
+            if e["agent"] in restored:  # one turn since: the blocks it made
+                assert 0 < e["copied"] < e["blocks"], e
+                partial += 1
+            else:
+                assert e["copied"] == e["blocks"]
+    assert partial >= 3
+
+
 async def test_a_restore_into_a_full_pool_says_how_long_making_room_took(
     tiny_dir: Path, tmp_path: Path
 ) -> None:

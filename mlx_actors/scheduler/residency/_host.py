@@ -8,16 +8,25 @@ dropped when the agent is restored, forgotten, or its write fails, or when other
 it out: with a :attr:`~HostCaches.rank` (the cache manager's expected next use), the
 image of the agent expected furthest from now first, so that the ones needed soonest
 stay (in a round robin, the agent that just left is dropped, not the next speaker);
-without one, the least recently evicted first. Engine thread only (the
-:class:`~._manager.CacheManager` owns it).
+without one, the least recently evicted first.
+
+The same budget keeps host copies of blocks still in the pool (:meth:`HostCaches.hold`):
+a cache brought back from an image is made blocks from those arrays, and they stay, by
+block, so that when the agent leaves again only the blocks its turns made since are
+copied out of the device (an 8K-token cache that took one 16-token turn: one block per
+layer, not every block). Copies of blocks give way first when the budget is short,
+those of the agent expected soonest (the least likely to leave) first. Engine thread
+only (the :class:`~._manager.CacheManager` owns it).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from ._image import CacheImage
+import numpy as np
+
+from ._image import CacheImage, HostArrays
 
 
 class HostCaches:
@@ -33,6 +42,9 @@ class HostCaches:
         #: How far from now each agent is expected (turns), if known: the furthest
         #: leaves first when the budget is short.
         self.rank: Callable[[str], int] | None = None
+        #: Host copies of blocks in the pool, by agent, then block id.
+        self._held: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        self._held_sizes: dict[str, int] = {}
 
     def __contains__(self, agent: str) -> bool:
         return agent in self._images
@@ -50,8 +62,22 @@ class HostCaches:
         self._images[agent] = image
         self._sizes[agent] = size
         self.nbytes += size
+        self._fit()
+
+    def _fit(self) -> None:
+        """Within the budget: copies of blocks go first, then images."""
+        while self.nbytes > self.budget and self._held:
+            self.release(self._soonest())
         while self.nbytes > self.budget:
             self.drop(self._furthest())
+
+    def _soonest(self) -> str:
+        """The agent whose copies of blocks go first: expected soonest (ties: held the
+        longest), or without :attr:`rank` held the longest."""
+        if self.rank is None:
+            return next(iter(self._held))
+        rank = self.rank
+        return min(enumerate(self._held), key=lambda a: (rank(a[1]), a[0]))[1]
 
     def _furthest(self) -> str:
         """The kept agent to drop first: expected furthest from now (ties: the least
@@ -75,3 +101,37 @@ class HostCaches:
     def drop(self, agent: str) -> None:
         if self._images.pop(agent, None) is not None:
             self.nbytes -= self._sizes.pop(agent)
+
+    def hold(self, agent: str, arrays: HostArrays) -> None:
+        """Keep ``arrays`` (block id -> host copies of its keys and values) as copies of
+        ``agent``'s blocks in the pool, within the budget."""
+        self.release(agent)
+        if not arrays:
+            return
+        self._held[agent] = dict(arrays)
+        size = self._held_sizes[agent] = sum(k.nbytes + v.nbytes for k, v in arrays.values())
+        self.nbytes += size
+        self._fit()
+
+    def held(self, agent: str) -> HostArrays:
+        """The host copies of ``agent``'s blocks, by block id (empty if none)."""
+        return self._held.get(agent, {})
+
+    def prune(self, agent: str, live: Iterable[int]) -> None:
+        """Let go of the copies of ``agent``'s blocks that are not in ``live`` (ids)."""
+        held = self._held.get(agent)
+        if held is None:
+            return
+        keep = {i: held[i] for i in live if i in held}
+        if len(keep) == len(held):
+            return
+        self.release(agent)
+        if keep:
+            self._held[agent] = keep
+            size = self._held_sizes[agent] = sum(k.nbytes + v.nbytes for k, v in keep.values())
+            self.nbytes += size
+
+    def release(self, agent: str) -> None:
+        """Let go of every copy of ``agent``'s blocks."""
+        if self._held.pop(agent, None) is not None:
+            self.nbytes -= self._held_sizes.pop(agent)

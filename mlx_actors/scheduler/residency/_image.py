@@ -70,6 +70,10 @@ class CacheImage:
         return all(e.key in self.arrays for row in self.layers for e in row)
 
 
+#: A block's keys and values as host memory (unsigned bits), by block id.
+HostArrays = Mapping[int, tuple[np.ndarray, np.ndarray]]
+
+
 def take_image(
     blocks: AgentBlocks,
     stored: Mapping[int, str],
@@ -77,23 +81,31 @@ def take_image(
     serial: int,
     *,
     whole: bool = False,
+    held: HostArrays | None = None,
 ) -> CacheImage:
     """Copy to host memory the blocks whose id is not in ``stored`` (id -> ref), or,
-    ``whole``, every block (the stored ones keep their refs)."""
+    ``whole``, every block (the stored ones keep their refs); a block whose bits host
+    memory already ``held`` is taken from there, not copied."""
+    held = held or {}
     layers = []
+    arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     pending: dict[int, tuple[mx.array, mx.array]] = {}
     for layer_blocks in blocks.layers:
         entries = []
         for b in layer_blocks:
             ref = stored.get(b.id)
-            if (ref is None or whole) and b.id not in pending:
-                assert b.keys is not None and b.values is not None
-                pending[b.id] = (_as_bits(b.keys), _as_bits(b.values))
+            if (ref is None or whole) and b.id not in pending and b.id not in arrays:
+                if b.id in held:
+                    arrays[b.id] = held[b.id]
+                else:
+                    assert b.keys is not None and b.values is not None
+                    pending[b.id] = (_as_bits(b.keys), _as_bits(b.values))
             entries.append(BlockEntry(layer=b.layer, start=b.start, end=b.end, key=b.id, ref=ref))
         layers.append(tuple(entries))
-    mx.eval(list(pending.values()))
-    copies = iter(to_host([a for pair in pending.values() for a in pair]))
-    arrays = {key: (next(copies), next(copies)) for key in pending}
+    if pending:
+        mx.eval(list(pending.values()))
+        copies = iter(to_host([a for pair in pending.values() for a in pair]))
+        arrays.update((key, (next(copies), next(copies))) for key in pending)
     return CacheImage(
         tokens=blocks.tokens,
         layers=tuple(layers),
@@ -111,11 +123,13 @@ def make_blocks(
     *,
     index: PrefixIndex | None = None,
     namespace: Hashable = None,
+    held: dict[int, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> AgentBlocks:
     """Blocks of ``pool`` holding ``image`` (every array present). A block the index
     already holds for the same tokens is shared (pinned first); only the others are
-    made, from ``reserve(n)``, which may move other caches to disk to find room. On
-    error every block taken is freed again."""
+    made, from ``reserve(n)``, which may move other caches to disk to find room, and
+    ``held`` gets each made block's id with the image's arrays of it. On error every
+    block taken is freed again."""
     spec = pool.spec
     dtype = _DTYPES.get(image.dtype)
     if len(image.layers) != spec.num_layers or dtype is None:
@@ -167,6 +181,8 @@ def make_blocks(
                     keys, values = arrays[e.key]
                     block = reservation.allocate(number, e.start, keys, values)
                     made.append(block)
+                    if held is not None:
+                        held[block.id] = image.arrays[e.key]
                     index.attach(node, block)
                 out.append(block)
             layers.append(tuple(out))

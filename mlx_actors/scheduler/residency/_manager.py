@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import numpy as np
 
 from ...errors import CacheReconstructionError, PoolExhaustedError
 from ..engine._solo import KeptCaches
@@ -174,11 +175,12 @@ class CacheManager:
             entry.holding, entry.kept, entry.kept_gone = False, None, False
         entry.blocks, entry.tokens = blocks, blocks.tokens
         entry.last_used, entry.busy = time.perf_counter(), saving
+        self.host.prune(agent, (b.id for b in blocks.blocks()))
         if entry.stored:  # only the blocks it still holds can be referred to
             entry.stored = {
                 b.id: entry.stored[b.id] for b in entry.blocks.blocks() if b.id in entry.stored
             }
-        return self._take_image(entry) if snapshot else None
+        return self._take_image(agent, entry) if snapshot else None
 
     def undo(self, agent: str) -> None:
         """After commits with ``hold``: the cache the turn started from is the agent's
@@ -207,6 +209,7 @@ class CacheManager:
         """The agent is gone (or starts over): free every copy of its cache."""
         self._kept.drop(agent)
         self.host.drop(agent)
+        self.host.release(agent)
         self.next_use.forget(agent)
         entry = self.agents.pop(agent, None)
         if entry is not None:
@@ -242,7 +245,7 @@ class CacheManager:
         entry = self.agents.get(agent)
         if entry is None or entry.blocks is None:
             return None
-        return self._take_image(entry)
+        return self._take_image(agent, entry)
 
     def stored(self, agent: str, refs: Mapping[int, str], serial: int) -> None:
         """A snapshot is written: where each of its blocks now is."""
@@ -253,11 +256,15 @@ class CacheManager:
             held = {b.id for b in entry.blocks.blocks()} if entry.blocks is not None else ()
             entry.stored.update((k, ref) for k, ref in refs.items() if k in held)
 
-    def _take_image(self, entry: CacheEntry, *, whole: bool = False) -> CacheImage:
+    def _take_image(self, agent: str, entry: CacheEntry, *, whole: bool = False) -> CacheImage:
+        """The agent's cache as an image (its blocks host memory holds are not copied)."""
         assert entry.blocks is not None
         self._serial += 1
         entry.snapshot = self._serial
-        return take_image(entry.blocks, entry.stored, self._dtype, self._serial, whole=whole)
+        held = self.host.held(agent)
+        return take_image(
+            entry.blocks, entry.stored, self._dtype, self._serial, whole=whole, held=held
+        )
 
     # -- room in the pool ----------------------------------------------------------------------
 
@@ -309,7 +316,10 @@ class CacheManager:
         entry = self.agents[name]
         assert entry.blocks is not None
         started = time.perf_counter()
-        image = self._take_image(entry, whole=self.host.budget > 0)
+        held = self.host.held(name)
+        image = self._take_image(name, entry, whole=self.host.budget > 0)
+        copied = sum(1 for key in image.arrays if key not in held)
+        self.host.release(name)  # the image holds them now
         blocks = entry.blocks.num_blocks
         self.pool.free(entry.blocks.blocks())
         entry.blocks = None
@@ -324,6 +334,7 @@ class CacheManager:
             why=self._why(name),
             blocks=blocks,
             bytes=image.nbytes,
+            copied=copied,
             ms=round((time.perf_counter() - started) * 1e3, 2),
             pool_used=self.pool.used_blocks,
         )
@@ -412,8 +423,9 @@ class CacheManager:
             finally:
                 room += time.perf_counter() - began
 
+        held: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         blocks = make_blocks(
-            self.pool, image, reserve, index=self._index, namespace=entry.namespace
+            self.pool, image, reserve, index=self._index, namespace=entry.namespace, held=held
         )
         entry.blocks = blocks
         if self._persistent:
@@ -421,6 +433,7 @@ class CacheManager:
         self.restores += 1
         self.prefetches += later_than is not None
         self.host.taken(agent, from_memory=from_memory)
+        self.host.hold(agent, held)  # its next eviction copies only newer blocks
         ahead = {} if later_than is None else {"prefetch": _expected(later_than)}
         self._log.info(
             "blocks.restored",
@@ -446,6 +459,7 @@ class CacheManager:
         entry = self.entry(agent)
         self._free(entry)
         self.host.drop(agent)
+        self.host.release(agent)
         entry.tokens, entry.stored = (), {}
 
     def write_failed(self, agent: str, serial: int) -> None:

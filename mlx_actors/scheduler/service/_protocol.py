@@ -74,7 +74,7 @@ class SchedulerStatistics:
     memory_restores: int = 0
     #: Of ``restores``, those made ahead of the agent's turn (expected next).
     prefetches: int = 0
-    #: Bytes of evicted caches kept in host memory now.
+    #: Bytes of evicted caches and of host copies of blocks kept in host memory now.
     host_bytes: int = 0
 
 
