@@ -50,8 +50,8 @@ class Runtime:
             of the layer with the largest blocks, when they differ).
         host_bytes: bytes of host memory for caches evicted from the pool, kept in
             front of the disk so that bringing one back reads no file, and for the
-            host copies a cache brought back keeps of its blocks, so that leaving
-            again copies out only newer ones (default: half the pool's budget; 0:
+            host copies a cache brought back from there keeps of its blocks, so
+            that leaving again copies out only newer ones (default: half the pool's budget; 0:
             none, every restore reads the disk).
         prefill_step_size: most prompt tokens per turn run in one step, so a long
             prompt never stalls the turns already generating.

@@ -101,3 +101,22 @@ def test_copies_of_blocks_give_way_to_evicted_caches(tiny: Loaded) -> None:
     caches.pin("a", None)  # a leaves too, copied whole
     evicted(caches, out, "a")
     assert copied(caches) == len(image.arrays)
+
+
+def test_a_cache_read_back_from_disk_keeps_no_copies_and_closing_lets_all_go(
+    tiny: Loaded,
+) -> None:
+    caches, _, out = setup(tiny, blocks=400, host=1 << 30)
+    turn(caches, "a", cache_of(tiny, caches.pool, 0, 300))
+    turn(caches, "b", cache_of(tiny, caches.pool, 1, 300))
+    caches.pin("b", 60.0)
+    image = evicted(caches, out, "a")
+    caches.host.drop("a")  # as if pushed out: the image comes from the files
+    caches.restore("a", image)
+    assert caches.host.held("a") == {} and caches.host.nbytes == 0
+    caches.pin("b", None)
+    caches.pin("a", 60.0)
+    caches.restore("b", evicted(caches, out, "b"))  # from host memory: copies kept
+    assert caches.host.held("b") and caches.host.nbytes > 0
+    caches.free_all()
+    assert caches.host.held("b") == {} and caches.host.nbytes == 0

@@ -11,8 +11,8 @@ stay (in a round robin, the agent that just left is dropped, not the next speake
 without one, the least recently evicted first.
 
 The same budget keeps host copies of blocks still in the pool (:meth:`HostCaches.hold`):
-a cache brought back from an image is made blocks from those arrays, and they stay, by
-block, so that when the agent leaves again only the blocks its turns made since are
+a cache brought back from an image kept here is made blocks from those arrays, and they
+stay, by block, so that when the agent leaves again only the blocks its turns made since are
 copied out of the device (an 8K-token cache that took one 16-token turn: one block per
 layer, not every block). Copies of blocks give way first when the budget is short,
 those of the agent expected soonest (the least likely to leave) first. Engine thread
@@ -130,6 +130,13 @@ class HostCaches:
             self._held[agent] = keep
             size = self._held_sizes[agent] = sum(k.nbytes + v.nbytes for k, v in keep.values())
             self.nbytes += size
+
+    def clear(self) -> None:
+        """Let go of every image and copy (the runtime is closing)."""
+        for agent in list(self._images):
+            self.drop(agent)
+        for agent in list(self._held):
+            self.release(agent)
 
     def release(self, agent: str) -> None:
         """Let go of every copy of ``agent``'s blocks."""

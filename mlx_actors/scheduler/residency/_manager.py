@@ -433,7 +433,8 @@ class CacheManager:
         self.restores += 1
         self.prefetches += later_than is not None
         self.host.taken(agent, from_memory=from_memory)
-        self.host.hold(agent, held)  # its next eviction copies only newer blocks
+        if from_memory:  # its next eviction copies only newer blocks
+            self.host.hold(agent, held)
         ahead = {} if later_than is None else {"prefetch": _expected(later_than)}
         self._log.info(
             "blocks.restored",
@@ -482,6 +483,7 @@ class CacheManager:
         freed = {id(b) for e in self.agents.values() for b in (e.blocks, e.kept) if b is not None}
         for entry in self.agents.values():
             self._free(entry)
+        self.host.clear()  # its host memory goes back to the process's slabs now
         return freed
 
     def counts(self) -> dict[str, int]:
