@@ -216,8 +216,17 @@ async def test_without_its_runtime_record_a_directory_with_caches_is_refused(
     assert snapshot(state) == before
 
 
+@pytest.fixture(params=["whole", "in pieces"])
+def reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Chunk files read whole, or (as large ones are) in pieces on several threads."""
+    if request.param == "in pieces":
+        monkeypatch.setattr(_disk, "PARALLEL_READ", 1)
+        monkeypatch.setattr(_disk, "READ_PIECE", 4096)
+    return str(request.param)
+
+
 async def test_caches_saved_with_sha256_checksums_still_come_back_warm(
-    tiny_dir: Path, tmp_path: Path
+    tiny_dir: Path, tmp_path: Path, reading: str
 ) -> None:
     """Chunk files are written with an XXH3 checksum; those of older versions carry the
     sha256 of their pieces, and still load."""
@@ -243,7 +252,7 @@ async def test_caches_saved_with_sha256_checksums_still_come_back_warm(
 
 @pytest.mark.parametrize("damage", ["truncated", "one byte changed"])
 async def test_a_corrupt_cache_is_a_clear_error_then_the_agent_starts_over(
-    tiny: Loaded, tiny_dir: Path, tmp_path: Path, damage: str
+    tiny: Loaded, tiny_dir: Path, tmp_path: Path, damage: str, reading: str
 ) -> None:
     state = tmp_path / "state"
     async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
