@@ -13,8 +13,8 @@ import pytest
 from mlx_actors import Runtime
 from mlx_actors.errors import AgentClosedError, InvalidRequestError, TurnTimeoutError
 from mlx_actors.runtime._store import DiskCacheStore
+from mlx_actors.scheduler.residency._entry import ROUND_PIN_SECONDS, CacheEntry
 from mlx_actors.scheduler.residency._image import CacheImage
-from mlx_actors.scheduler.residency._manager import ROUND_PIN_SECONDS, CacheEntry
 
 from .test_persistence import converse, question
 

@@ -6,83 +6,32 @@ it), or out of the pool (evicted: taken as a :class:`CacheImage`, kept in host m
 by :class:`HostCaches` while the budget allows, and written to the store by the event
 loop). :class:`CacheManager` keeps one record per agent and is the only code that
 changes it: a turn's start, commit, hold and undo, a dropped result, a fork, a save's
-snapshot, choosing what to evict when the pool runs short (kept copies make way first;
-then the idle agent expected to be asked furthest from now, :class:`NextUse`, or with
-``eviction="lru"`` the least recently used), and making blocks again from an image
-(from host memory here, or read back from the store and handed in).
+snapshot, evicting when the pool runs short (kept copies make way first; then the idle
+agent first in the :class:`EvictionOrder`), and making blocks again from an image (from
+host memory here, or read back from the store and handed in). The records themselves
+are :class:`CacheEntry` objects.
 """
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import attrs
 import numpy as np
 
 from ...errors import CacheReconstructionError, PoolExhaustedError
 from ..engine._solo import KeptCaches
-from ..kv._pool import AgentBlocks, BlockPool, KVBlock, Reservation
+from ..kv._pool import AgentBlocks, BlockPool, Reservation
 from ..kv._prefix import PrefixIndex
+from ._entry import CacheEntry
 from ._host import HostCaches
 from ._image import CacheImage, make_blocks, stored_ids, take_image
 from ._next_use import NextUse
+from ._order import EvictionOrder, expected
 
 #: How the cache manager chooses an idle agent to evict.
 EVICTION_POLICIES = ("next-use", "lru")
-
-#: How long an agent between rounds of tool calls (its tools running) counts as pinned:
-#: its cache leaves only if no unpinned idle agent's can; after that, a tool still
-#: running holds no memory others need (as ``mlx-actors serve``'s default pin of a
-#: session waiting for its client's tools).
-ROUND_PIN_SECONDS = 60.0
-
-
-@attrs.define(eq=False)
-class CacheEntry:
-    """One agent's cache: resident as blocks, or out of the pool (``blocks is None``
-    while ``tokens`` is not empty)."""
-
-    tokens: tuple[int, ...] = ()
-    blocks: AgentBlocks | None = None
-    last_used: float = 0.0
-    #: A turn of the agent is queued, running, or finished and not yet committed.
-    busy: bool = False
-    #: The serial of the agent's latest snapshot for the store.
-    snapshot: int = 0
-    #: Ids of the agent's blocks whose data its saved cache already holds, and where.
-    stored: dict[int, str] = attrs.Factory(dict)
-    #: Which blocks the agent may share (every agent's, unless sharing is off: then
-    #: its own and its forks').
-    namespace: object = None
-    #: Until when (``time.perf_counter()``) the agent is pinned: not evicted while
-    #: another idle agent can be.
-    pinned_until: float = 0.0
-    #: A turn of several rounds (tool calls) is under way: the cache it started from
-    #: (``kept``, ``None`` if there was none) waits for its end. Meanwhile the agent
-    #: is evicted only as a pinned one is (:data:`ROUND_PIN_SECONDS`).
-    holding: bool = False
-    kept: AgentBlocks | None = None
-    #: When the turn's first round ended (``time.perf_counter()``).
-    held_since: float = 0.0
-    #: The cache the turn started from was freed when the agent was evicted between
-    #: rounds: an undo keeps the latest round's cache instead (a next turn goes back
-    #: from it to where its conversation parts from the round's).
-    kept_gone: bool = False
-
-    @property
-    def evicted(self) -> bool:
-        """The cache is out of the pool (on disk, or in host memory on its way there)."""
-        return self.blocks is None and bool(self.tokens)
-
-    def pinned(self, now: float) -> bool:
-        """Pinned by :meth:`CacheManager.pin`, or between rounds of tool calls for less
-        than :data:`ROUND_PIN_SECONDS`."""
-        return self.pinned_until > now or (
-            self.holding and now - self.held_since < ROUND_PIN_SECONDS
-        )
 
 
 class CacheManager:
@@ -123,6 +72,7 @@ class CacheManager:
         self._serial = 0
         self.eviction = eviction
         self.next_use = NextUse()
+        self.order = EvictionOrder(self.agents, pool, self.next_use, eviction)
         if eviction == "next-use":  # host memory keeps the caches expected soonest
             host.rank = self.next_use.expected_in
 
@@ -272,7 +222,7 @@ class CacheManager:
         """Give back a kept cache's units, or else move one idle cache (not ``agent``'s)
         out of the pool; whether either happened. With ``later_than`` (``agent`` is
         brought back ahead of its turn, expected in that many turns), only a cache
-        :meth:`movable` for it leaves, and kept copies stay."""
+        :meth:`EvictionOrder.movable` for it leaves, and kept copies stay."""
         if later_than is not None:
             return self._evict_one(agent, later_than)
         return self._kept.make_way(agent) or self._evict_one(exclude=agent)
@@ -290,27 +240,9 @@ class CacheManager:
                     raise nothing_to_evict(exc) from None
 
     def _evict_one(self, exclude: str, later_than: int | None = None) -> bool:
-        """Move an idle agent's cache out of the pool (the first by :meth:`_priority`),
-        among those whose cache holds a block nobody else does; failing that, among
-        those holding a block that only idle agents hold (a parent and its fork:
-        evicting them all frees it). Evicting any other frees nothing. With
-        ``later_than``, only unpinned agents expected more than that many turns from now
-        may leave (:meth:`movable`)."""
-        idle = {
-            name: entry
-            for name, entry in self.agents.items()
-            if entry.blocks is not None
-            and not entry.busy
-            and name != exclude
-            and (later_than is None or self.movable(name, later_than))
-        }
-        alone = [
-            (self._priority(name, entry), name)
-            for name, entry in idle.items()
-            if entry.blocks is not None
-            and any(self.pool.references(b) == 1 for b in entry.blocks.blocks())
-        ]
-        name = min(alone)[1] if alone else self._evictable_together(idle)
+        """Move the first idle agent's cache by :meth:`EvictionOrder.victim` out of the
+        pool; whether there was one."""
+        name = self.order.victim(exclude, later_than)
         if name is None:
             return False
         entry = self.agents[name]
@@ -331,7 +263,7 @@ class CacheManager:
         self._log.info(
             "blocks.evicted",
             agent=name,
-            why=self._why(name),
+            why=self.order.why(name),
             blocks=blocks,
             bytes=image.nbytes,
             copied=copied,
@@ -341,51 +273,6 @@ class CacheManager:
         self.host.keep(name, image)
         self._on_evicted(name, image)
         return True
-
-    def _evictable_together(self, idle: dict[str, CacheEntry]) -> str | None:
-        """The least recently used of the ``idle`` agents holding a block that no one
-        else holds (no turn, no other agent), if any."""
-        holders: collections.Counter[int] = collections.Counter()
-        blocks: dict[int, KVBlock] = {}
-        for entry in idle.values():
-            assert entry.blocks is not None
-            for block in entry.blocks.blocks():
-                holders[block.id] += 1
-                blocks[block.id] = block
-        freed = {i for i, n in holders.items() if self.pool.references(blocks[i]) == n}
-        candidates = [
-            (self._priority(name, entry), name)
-            for name, entry in idle.items()
-            if entry.blocks is not None and any(b.id in freed for b in entry.blocks.blocks())
-        ]
-        return min(candidates)[1] if candidates else None
-
-    def movable(self, name: str, later_than: int) -> bool:
-        """Whether ``name``'s cache may leave to bring back one expected in
-        ``later_than`` turns: it is not pinned and is expected later than that."""
-        entry = self.agents[name]
-        return (
-            not entry.pinned(time.perf_counter()) and self.next_use.expected_in(name) > later_than
-        )
-
-    def _priority(self, name: str, entry: CacheEntry) -> tuple[bool, float, float]:
-        """Eviction order (the least first): unpinned agents before pinned ones; then
-        the agent expected furthest from now, then the least recently used (with
-        ``eviction="lru"``, the least recently used)."""
-        pinned = entry.pinned(time.perf_counter())
-        if self.eviction == "lru":
-            return (pinned, 0.0, entry.last_used)
-        return (pinned, -self.next_use.expected_in(name), entry.last_used)
-
-    def _why(self, name: str) -> str:
-        """Why ``name`` was chosen, for the trace."""
-        entry = self.agents[name]
-        if entry.pinned(time.perf_counter()):
-            held = "between rounds of tool calls" if entry.holding else "pinned"
-            return f"{held}, and no unpinned agent could leave"
-        if self.eviction == "lru":
-            return "least recently used"
-        return _expected(self.next_use.expected_in(name))
 
     def in_host(self, agent: str) -> CacheImage | None:
         """The agent's evicted cache, if host memory still holds it."""
@@ -435,7 +322,7 @@ class CacheManager:
         self.host.taken(agent, from_memory=from_memory)
         if from_memory:  # its next eviction copies only newer blocks
             self.host.hold(agent, held)
-        ahead = {} if later_than is None else {"prefetch": _expected(later_than)}
+        ahead = {} if later_than is None else {"prefetch": expected(later_than)}
         self._log.info(
             "blocks.restored",
             agent=agent,
@@ -510,10 +397,6 @@ class CacheManager:
             "memory_restores": self.host.hits,
             "host_bytes": self.host.nbytes,
         }
-
-
-def _expected(turns: int) -> str:
-    return f"next turn expected in {turns} turns"
 
 
 def nothing_to_evict(exc: PoolExhaustedError, own: int = 0) -> PoolExhaustedError:

@@ -6,7 +6,7 @@ With ``eviction="next-use"``, after each turn starts, the evicted agent expected
 (:class:`~._next_use.NextUse`), if it is asked in a regular order (its last two periods
 the same) and expected within :data:`HORIZON` turns, is
 brought back when the pool has room for it without moving out any agent expected as soon
-or sooner, any pinned agent, or any agent with a turn in flight (:meth:`CacheManager.
+or sooner, any pinned agent, or any agent with a turn in flight (:meth:`EvictionOrder.
 movable`). From host memory it is made blocks at once, between two steps; from the
 store, the event loop reads it in the background first (the engine thread goes on
 stepping) and hands the image back. With ``eviction="lru"`` nothing is brought back
@@ -116,7 +116,7 @@ class Prefetcher:
                 break
             if entry.blocks is None or entry.busy or name == agent:
                 continue
-            if caches.movable(name, due):
+            if caches.order.movable(name, due):
                 room += sum(
                     spec.units(b.layer) for b in entry.blocks.blocks() if pool.references(b) == 1
                 )

@@ -13,8 +13,9 @@ from ...errors import CacheReconstructionError, EngineError, MlxActorsError, Poo
 from ..engine._constraint import Constraint, grammar_tokenizer
 from ..engine._engine import BlockPoolBatchEngine
 from ..engine._records import TokenEvent
+from ..residency._entry import CacheEntry
 from ..residency._image import CacheImage
-from ..residency._manager import CacheEntry, CacheManager, nothing_to_evict
+from ..residency._manager import CacheManager, nothing_to_evict
 from ..residency._prefetch import Prefetcher
 from . import _events as events
 from ._protocol import Turn
