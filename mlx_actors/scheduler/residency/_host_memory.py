@@ -64,6 +64,11 @@ class _Slab:
     count: int
     owner: object
     free: list[int]
+    #: The ctypes type of one slot's memory.
+    ctype: Any = None
+
+    def __attrs_post_init__(self) -> None:
+        self.ctype = ctypes.c_uint8 * self.slot
 
 
 class HostMemory:
@@ -95,17 +100,22 @@ class HostMemory:
     ) -> list[np.ndarray] | None:
         """An uninitialised array of each ``(shape, dtype)``, each in a slot of its own, or
         ``None`` (nothing taken) if the slabs cannot hold them all within the limit."""
-        sizes = [_slot_size(math.prod(shape) * np.dtype(dtype).itemsize) for shape, dtype in arrays]
+        sizes: dict[tuple[tuple[int, ...], np.dtype[Any]], tuple[int, int]] = {}
+        for layout in arrays:  # (elements, slot size), once per distinct layout
+            if layout not in sizes:
+                count = math.prod(layout[0])
+                sizes[layout] = count, _slot_size(count * np.dtype(layout[1]).itemsize)
         with self._lock:
-            slots = self._take_slots(sizes)
+            slots = self._take_slots([sizes[layout][1] for layout in arrays])
         if slots is None:
             return None
         out = []
-        for (shape, dtype), (slab, index) in zip(arrays, slots, strict=True):
-            count = math.prod(shape)
-            memory = (ctypes.c_uint8 * slab.slot).from_address(slab.base + index * slab.slot)
-            weakref.finalize(memory, self._give_back, slab, index)
-            out.append(np.frombuffer(memoryview(memory), dtype, count).reshape(shape))
+        give_back = self._give_back
+        for layout, (slab, index) in zip(arrays, slots, strict=True):
+            shape, dtype = layout
+            memory = slab.ctype.from_address(slab.base + index * slab.slot)
+            weakref.finalize(memory, give_back, slab, index)
+            out.append(np.frombuffer(memory, dtype, sizes[layout][0]).reshape(shape))
         return out
 
     def holds(self, a: np.ndarray) -> bool:
@@ -149,8 +159,12 @@ class HostMemory:
                 self.nbytes += per * size
                 have += per
         taken = []
+        free = {size: iter(self._slabs[size]) for size in wanted}
+        current: dict[int, _Slab] = {}
         for size in sizes:
-            slab = next(s for s in self._slabs[size] if s.free)
+            slab = current.get(size)
+            while slab is None or not slab.free:  # the slabs made above hold them all
+                slab = current[size] = next(free[size])
             taken.append((slab, slab.free.pop()))
         return taken
 
