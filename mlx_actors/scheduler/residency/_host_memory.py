@@ -162,10 +162,10 @@ class HostMemory:
         free = {size: iter(self._slabs[size]) for size in wanted}
         current: dict[int, _Slab] = {}
         for size in sizes:
-            slab = current.get(size)
-            while slab is None or not slab.free:  # the slabs made above hold them all
-                slab = current[size] = next(free[size])
-            taken.append((slab, slab.free.pop()))
+            at = current.get(size)
+            while at is None or not at.free:  # the slabs made above hold them all
+                at = current[size] = next(free[size])
+            taken.append((at, at.free.pop()))
         return taken
 
     def _give_back(self, slab: _Slab, index: int) -> None:
