@@ -55,7 +55,10 @@ class _Snapshot(Collector):
                 pool.copy_blocks,
             ),
             "pool_bytes_used": ("Bytes of the pool held by caches.", pool.used_bytes),
-            "host_bytes": ("Bytes of evicted caches kept in host memory.", s.host_bytes),
+            "host_bytes": (
+                "Bytes of evicted caches and of copies of pool blocks kept in host memory.",
+                s.host_bytes,
+            ),
             "agents": ("Live agents (sessions included).", s.agents),
             "agents_resident": ("Agents whose cache is in the pool.", s.resident_agents),
             "agents_on_disk": ("Agents whose cache was moved out of the pool.", s.agents_on_disk),
