@@ -123,13 +123,8 @@ class HostCaches:
         if held is None:
             return
         keep = {i: held[i] for i in live if i in held}
-        if len(keep) == len(held):
-            return
-        self.release(agent)
-        if keep:
-            self._held[agent] = keep
-            size = self._held_sizes[agent] = sum(k.nbytes + v.nbytes for k, v in keep.values())
-            self.nbytes += size
+        if len(keep) < len(held):
+            self.hold(agent, keep)
 
     def clear(self) -> None:
         """Let go of every image and copy (the runtime is closing)."""
