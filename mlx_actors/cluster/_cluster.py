@@ -24,6 +24,7 @@ import attrs
 
 from ..errors import InvalidRequestError, ReplicaLostError, UnknownAgentError
 from ..runtime import RuntimeStatistics
+from ..runtime._state import PERSIST_MODES
 from ..runtime._trace import ModuleLog
 from ._placement import Placement
 from ._remote import RemoteAgent
@@ -57,6 +58,11 @@ class Cluster:
         state_dir: the replicas' state directories' parent (a temporary directory by
             default: then nothing outlives the cluster). With one, a new cluster on it
             brings every agent back.
+        persist: when each replica saves its agents: after every turn (``"turn"``, the
+            default: a replica that dies loses no turn that was answered, its agents
+            come back on the others) or only when the cluster closes (``"exit"``: no
+            save on a turn's path; a replica that dies takes its agents' turns since
+            they were last saved with it).
         address: a Ray cluster to join (``ray start --head`` elsewhere); by default a
             running Ray instance, or a local one started for the cluster.
         replica_options: Ray actor options of each replica, such as ``{"num_gpus": 1}``
@@ -71,6 +77,7 @@ class Cluster:
         *,
         replicas: int = 2,
         state_dir: str | os.PathLike[str] | None = None,
+        persist: str = "turn",
         address: str | None = None,
         replica_options: Mapping[str, Any] | None = None,
         **runtime_options: Any,
@@ -78,9 +85,14 @@ class Cluster:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise InvalidRequestError(f"replicas must be a positive int, got {replicas!r}")
         if "state_dir" in runtime_options or "persist" in runtime_options:
-            raise InvalidRequestError("a cluster keeps its replicas' state in state_dir/")
+            raise InvalidRequestError(
+                "a cluster keeps its replicas' state in state_dir/ (and says when with its "
+                "own persist=)"
+            )
+        if persist not in PERSIST_MODES:
+            raise InvalidRequestError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
         self._model = None if model is None else os.fspath(model)
-        self._runtime_options = runtime_options
+        self._runtime_options = {**runtime_options, "persist": persist}
         self._placement = Placement()
         self._replicas = Replicas(
             count=replicas,

@@ -206,6 +206,26 @@ async def test_a_smaller_cluster_brings_back_every_agent(tiny_dir: Path, tmp_pat
         assert set(cl.replica_of(name) for name in cl.agents) == {0}
 
 
+def saved_caches(root: Path) -> list[Path]:
+    return list(root.rglob("*.safetensors"))
+
+
+async def test_persist_exit_saves_nothing_on_a_turn_and_everything_at_close(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidRequestError, match="persist"):
+        Cluster(tiny_dir, persist="never")
+    async with Cluster(tiny_dir, state_dir=tmp_path, persist="exit", **OPTIONS) as cl:
+        for i in range(2):
+            await (await cl.spawn(f"a{i}", system=f"You are {i}.")).ask("Hello", max_tokens=4)
+        assert not saved_caches(tmp_path)  # no cache saved on a turn
+        before = {name: await cl.agent(name).history() for name in cl.agents}
+    async with Cluster(tiny_dir, state_dir=tmp_path, **OPTIONS) as cl:
+        assert {name: await cl.agent(name).history() for name in cl.agents} == before
+        reply = await cl.agent("a0").ask("Again", max_tokens=4)
+        assert reply.usage.cached_tokens > 0  # its cache was saved at close
+
+
 async def test_a_move_the_target_refuses_leaves_the_agent_where_it_was(tiny_dir: Path) -> None:
     async with Cluster(tiny_dir, **OPTIONS) as cl:
         ann = await cl.spawn("ann", system="You are Ann.", max_tokens=8)
