@@ -90,6 +90,8 @@ class Output:
                 path=seq.source.path,
                 anchors=seq.anchors,
                 checkpoint=seq.checkpoint or seq.source.layers,
+                source=seq.source.layers,
+                pinned=seq.held,
             )
         finally:
             seq.release(self.pool)

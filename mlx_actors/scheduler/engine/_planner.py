@@ -74,7 +74,7 @@ class Planner:
             if own:
                 source = self.index.own(seq.own, seq.kept)
             else:
-                source = self.index.find(seq.namespace, seq.tokens, n - 1)
+                source = self.index.find(seq.namespace, seq.tokens, n - 1, seq.own, seq.kept)
             held = self.pool.share_all(source.blocks())
             try:
                 target = (

@@ -302,6 +302,9 @@ class Cut:
         #: Per layer: the blocks shared (pinned), and the copies to make as
         #: (node, first position, keys, values).
         self.shared: list[list[KVBlock]] = []
+        #: Per layer: the first blocks, in order, before every shared and copied one
+        #: (pinned too).
+        self.heads: list[list[KVBlock]] = []
         self.copies: list[list[tuple[Node, int, mx.array, mx.array]]] = []
 
     @property
@@ -322,7 +325,9 @@ class Cut:
                     made.append(block)
                     self.index.attach(node, block)
                     out[block.id] = block
-                layers.append(tuple(sorted(out.values(), key=lambda b: (b.start, b.end))))
+                rest = sorted(out.values(), key=lambda b: (b.start, b.end))
+                head = self.heads[number] if number < len(self.heads) else ()
+                layers.append((*head, *rest))
         except BaseException:
             self.pool.free(made)
             self.abandon()
@@ -331,9 +336,10 @@ class Cut:
 
     def abandon(self) -> None:
         """Drop the pinned blocks and the nodes made for nothing."""
-        for shared in self.shared:
+        for shared in (*self.heads, *self.shared):
             self.pool.free(shared)
         self.shared = [[] for _ in self.shared]
+        self.heads = [[] for _ in self.heads]
         for node in reversed(self.nodes):
             self.index.prune(node)
 
@@ -348,18 +354,28 @@ def plan_cut(
     path: Sequence[Node] = (),
     anchors: Sequence[int] = (),
     checkpoint: Sequence[Sequence[Piece]] = (),
+    source: Sequence[Sequence[Piece]] = (),
+    pinned: list[KVBlock] | None = None,
 ) -> Cut:
     """Plan cutting a cache holding ``tokens`` into blocks: every block the index
     already holds for these tokens is shared, the rest copied. Sliding layers keep the
     blocks that overlap their window, those of the ``anchors`` (shared boundaries)
     that are still live, and the blocks of the ``checkpoint`` pieces (per layer, what
-    the sequence's cache was built from when it started)."""
+    the sequence's cache was built from when it started).
+
+    ``source``: per layer, the pieces the cache was built from, where ``path`` (the
+    nodes of their whole chunks) came with them: a global layer keeps their blocks for
+    those chunks as they are (what the cache holds there), without looking them up.
+    ``pinned``: references to those blocks that the blocks cut take over (each taken
+    out of the list; a block not in it gains a reference)."""
     spec = pool.spec
     total = len(tokens)
     nodes = index.chain(namespace, tokens, total, path) if total else []
     live, kept = _anchor_blocks(spec, index, namespace, tokens, nodes, anchors)
     cut = Cut(pool, index, tokens, list(nodes), live)
     try:
+        whole = len(path) if total >= len(path) * BLOCK_SIZE else 0
+        cut.heads = _heads(pool, source, whole, pinned)
         for number, (layer, c) in enumerate(zip(spec.layers, cache, strict=True)):
             keys, values = c.keys, c.values
             if isinstance(c, RotatingKVCache) and keys is not None:
@@ -395,6 +411,7 @@ def plan_cut(
             shared: dict[int, KVBlock] = {}
             copies = []
             cut.shared.append([])
+            first = max(first, len(cut.heads[number]))
             for node in nodes[first:]:
                 want = max(oldest, node.start)
                 block = node.blocks.get(number)
@@ -423,6 +440,34 @@ def plan_cut(
         cut.abandon()
         raise
     return cut
+
+
+def _heads(
+    pool: BlockPool, source: Sequence[Sequence[Piece]], whole: int, pinned: list[KVBlock] | None
+) -> list[list[KVBlock]]:
+    """Per layer, the blocks of the first ``whole`` chunks a global layer keeps from
+    ``source`` (none where its pieces there are not whole blocks from 0), each with a
+    reference taken over from ``pinned`` or taken anew."""
+    spec = pool.spec
+    heads: list[list[KVBlock]] = [[] for _ in spec.layers]
+    if not whole or not source:
+        return heads
+    for number, (layer, layer_pieces) in enumerate(zip(spec.layers, source, strict=False)):
+        if layer.kind is not LayerKind.GLOBAL or len(layer_pieces) < whole:
+            continue
+        block, a, z = layer_pieces[whole - 1]
+        # Contiguous from 0, each inside one chunk: whole blocks if the last one is.
+        if (a, z, block.start, block.end) == ((whole - 1) * BLOCK_SIZE, whole * BLOCK_SIZE) * 2:
+            heads[number] = [b for b, _, _ in layer_pieces[:whole]]
+    missing = {b.id: b for head in heads for b in head}
+    rest = []
+    for block in pinned or ():
+        if missing.pop(block.id, None) is None:
+            rest.append(block)
+    pool.share_all(missing.values())  # (raises before anything changed)
+    if pinned is not None:
+        pinned[:] = rest
+    return heads
 
 
 class _Packed:
@@ -494,6 +539,8 @@ def from_cache(
     path: Sequence[Node] = (),
     anchors: Sequence[int] = (),
     checkpoint: Sequence[Sequence[Piece]] = (),
+    source: Sequence[Sequence[Piece]] = (),
+    pinned: list[KVBlock] | None = None,
 ) -> AgentBlocks:
     """Cut a cache holding ``tokens`` into blocks (:func:`plan_cut`), the new ones drawn
     from ``reservation``. On error every block taken is freed again. The copies are
@@ -508,6 +555,8 @@ def from_cache(
         path=path,
         anchors=anchors,
         checkpoint=checkpoint,
+        source=source,
+        pinned=pinned,
     )
     return cut.apply(reservation)
 

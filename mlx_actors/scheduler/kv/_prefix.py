@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 import attrs
 
 from ._pool import AgentBlocks, KVBlock
-from ._spec import BLOCK_SIZE, LayerKind, ModelCacheSpec
+from ._spec import BLOCK_SIZE, SLIDING_MARGIN, LayerKind, ModelCacheSpec
 from ._tokens import common_prefix
 
 
@@ -35,7 +35,7 @@ class Node:
     blocks: dict[int, KVBlock] = attrs.Factory(dict)
     #: Longer prefixes, by their next chunk's tokens.
     children: dict[tuple[int, ...], Node] = attrs.Factory(dict)
-    #: A root's namespace.
+    #: The namespace of the trie it is in.
     namespace: Hashable = None
 
     @property
@@ -94,6 +94,17 @@ class PrefixIndex:
         #: The node each block was made for, by block id.
         self._node_of: dict[int, Node] = {}
         self._sliding = any(layer.kind is LayerKind.SLIDING for layer in spec.layers)
+        self._global = [i for i, layer in enumerate(spec.layers) if layer.kind is LayerKind.GLOBAL]
+        #: Whole chunks before a history's end that a sliding layer may need (its
+        #: window and the margin it keeps before it).
+        self._behind = max(
+            (
+                -(-(layer.window + SLIDING_MARGIN) // BLOCK_SIZE) + 1
+                for layer in spec.layers
+                if layer.window
+            ),
+            default=0,
+        )
 
     def root(self, namespace: Hashable) -> Node:
         node = self._roots.get(namespace)
@@ -154,27 +165,100 @@ class PrefixIndex:
             chunk = tuple(tokens[start : min(start + BLOCK_SIZE, end)])
             node = parent.children.get(chunk)
             if node is None:
-                node = parent.children[chunk] = Node(parent, parent.depth + 1, chunk)
+                node = parent.children[chunk] = Node(
+                    parent, parent.depth + 1, chunk, namespace=parent.namespace
+                )
             nodes.append(node)
             parent = node
         return nodes
 
     # -- finding a prefix -----------------------------------------------------------------
 
-    def find(self, namespace: Hashable, tokens: Sequence[int], limit: int) -> Source:
+    def find(
+        self,
+        namespace: Hashable,
+        tokens: Sequence[int],
+        limit: int,
+        own: AgentBlocks | None = None,
+        kept: int = 0,
+    ) -> Source:
         """The longest prefix of ``tokens``, at most ``limit`` tokens, that live blocks
         hold for every layer: all of it for global layers, its last ``window`` tokens
-        for sliding-window ones."""
-        levels, path = self._walk(namespace, tokens)
-        # Per layer, every block that agrees with the tokens, and up to where.
-        spans: list[list[tuple[KVBlock, int]]] = [[] for _ in self.spec.layers]
-        for level in levels:
-            for node, usable in level:
-                for layer, block in node.blocks.items():
-                    spans[layer].append((block, node.start + usable))
-        for layer_spans in spans:
-            layer_spans.sort(key=lambda span: span[0].start)
-        return self._source(spans, limit, path)
+        for sliding-window ones.
+
+        ``own``: blocks whose first ``kept`` tokens are those of ``tokens`` (the agent's
+        own history). Their whole chunks are taken as they are rather than found again
+        (the walk starts where they end), when the prefix found is at least ``kept``
+        long: a turn costs the walk over its new tokens, not over the whole history."""
+        if own is not None and kept:
+            found = self._find_after(namespace, tokens, min(kept, limit), limit, own)
+            if found is not None:
+                return found
+        levels, path = self._walk(self._roots.get(namespace), tokens, 0)
+        return self._source(self._spans(levels), limit, path)
+
+    def _find_after(
+        self,
+        namespace: Hashable,
+        tokens: Sequence[int],
+        agreed: int,
+        limit: int,
+        own: AgentBlocks,
+    ) -> Source | None:
+        """:meth:`find` from ``own``'s whole chunks: the global layers' first blocks are
+        ``own``'s, the walk starts a sliding window before their end. ``None`` where
+        that cannot give what the whole walk would (no global layer, no whole chunk,
+        chunks that are not ``own``'s nodes', or a prefix shorter than ``agreed``:
+        blocks before the walk's start might have served it)."""
+        whole = agreed // BLOCK_SIZE
+        if not self._global or whole == 0:
+            return None
+        first = own.layers[self._global[0]]
+        if len(first) < whole or first[whole - 1].end != whole * BLOCK_SIZE:
+            return None  # not whole blocks from 0 (they are contiguous from 0)
+        node = self._node_of.get(first[whole - 1].id)
+        if (
+            node is None
+            or node.depth != whole - 1
+            or node.namespace != namespace
+            or node.parent is None
+            or node.parent.children.get(node.tokens) is not node  # pruned
+        ):
+            return None
+        for layer in self._global:
+            blocks = own.layers[layer]
+            if len(blocks) < whole or blocks[whole - 1].end != whole * BLOCK_SIZE:
+                return None
+        path = [node]
+        while path[-1].parent is not None and path[-1].depth > 0:
+            path.append(path[-1].parent)
+        path.reverse()
+        start = max(0, whole - self._behind) if self._sliding else whole
+        parent = path[start - 1] if start else path[0].parent
+        levels, more = self._walk(parent, tokens, start)
+        head = start * BLOCK_SIZE
+        spans = self._spans(levels)
+        runs = [runs_of(layer_spans) for layer_spans in spans]
+        for layer in self._global:
+            layer_runs = runs[layer]
+            if layer_runs and layer_runs[0][0] <= head:
+                layer_runs[0] = (0, max(head, layer_runs[0][1]))
+            else:
+                layer_runs.insert(0, (0, head))
+        length = self._servable(runs, limit)
+        if length < agreed:
+            return None
+        layers: list[tuple[Piece, ...]] = []
+        for number, (spec, layer_spans) in enumerate(zip(self.spec.layers, spans, strict=True)):
+            if spec.window is None:
+                firsts = tuple((b, b.start, b.end) for b in own.layers[number][:start])
+                layers.append(
+                    firsts + cover(layer_spans, head, length) if length > head else firsts
+                )
+            else:
+                layers.append(cover(layer_spans, max(0, length - spec.window), length))
+        path = [*path[:start], *more]
+        return Source(length=length, layers=tuple(layers), path=tuple(path[: length // BLOCK_SIZE]))
 
     def own(self, blocks: AgentBlocks | None, limit: int) -> Source:
         """The longest prefix, at most ``limit`` tokens (which ``blocks``' tokens agree
@@ -182,6 +266,18 @@ class PrefixIndex:
         history, holding no other agent's block (``None``: none, nothing to start from)."""
         layers = blocks.layers if blocks is not None else [() for _ in self.spec.layers]
         return self._source([[(b, b.end) for b in layer] for layer in layers], limit, [])
+
+    def _spans(self, levels: list[list[tuple[Node, int]]]) -> list[list[tuple[KVBlock, int]]]:
+        """Per layer, every block of the walk's nodes, and up to where it agrees with the
+        tokens, in order of their starts."""
+        spans: list[list[tuple[KVBlock, int]]] = [[] for _ in self.spec.layers]
+        for level in levels:
+            for node, usable in level:
+                for layer, block in node.blocks.items():
+                    spans[layer].append((block, node.start + usable))
+        for layer_spans in spans:
+            layer_spans.sort(key=lambda span: span[0].start)
+        return spans
 
     def _source(
         self, spans: list[list[tuple[KVBlock, int]]], limit: int, path: list[Node]
@@ -198,14 +294,14 @@ class PrefixIndex:
         return Source(length=length, layers=tuple(layers), path=tuple(path[: length // BLOCK_SIZE]))
 
     def _walk(
-        self, namespace: Hashable, tokens: Sequence[int]
+        self, node: Node | None, tokens: Sequence[int], depth: int
     ) -> tuple[list[list[tuple[Node, int]]], list[Node]]:
-        """Per chunk of ``tokens``, the nodes whose tokens agree with it (and for how many
-        tokens); and the nodes of the whole chunks matched."""
+        """From ``node`` (the chunk before ``depth``'s, or a root), per chunk of
+        ``tokens`` the nodes whose tokens agree with it (and for how many tokens); and
+        the nodes of the whole chunks matched."""
         levels: list[list[tuple[Node, int]]] = []
         path: list[Node] = []
-        node = self._roots.get(namespace)
-        start = 0
+        start = depth * BLOCK_SIZE
         while node is not None and node.children and start < len(tokens):
             chunk = tuple(tokens[start : start + BLOCK_SIZE])
             exact = node.children.get(chunk)
