@@ -304,7 +304,7 @@ class Cut:
         self.shared: list[list[KVBlock]] = []
         #: Per layer: the first blocks, in order, before every shared and copied one
         #: (pinned too).
-        self.heads: list[list[KVBlock]] = []
+        self.heads: list[list[KVBlock]] = [[] for _ in pool.spec.layers]
         self.copies: list[list[tuple[Node, int, mx.array, mx.array]]] = []
 
     @property
@@ -326,8 +326,7 @@ class Cut:
                     self.index.attach(node, block)
                     out[block.id] = block
                 rest = sorted(out.values(), key=lambda b: (b.start, b.end))
-                head = self.heads[number] if number < len(self.heads) else ()
-                layers.append((*head, *rest))
+                layers.append((*self.heads[number], *rest))
         except BaseException:
             self.pool.free(made)
             self.abandon()

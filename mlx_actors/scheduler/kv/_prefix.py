@@ -213,10 +213,11 @@ class PrefixIndex:
         whole = agreed // BLOCK_SIZE
         if not self._global or whole == 0:
             return None
-        first = own.layers[self._global[0]]
-        if len(first) < whole or first[whole - 1].end != whole * BLOCK_SIZE:
-            return None  # not whole blocks from 0 (they are contiguous from 0)
-        node = self._node_of.get(first[whole - 1].id)
+        for layer in self._global:
+            blocks = own.layers[layer]
+            if len(blocks) < whole or blocks[whole - 1].end != whole * BLOCK_SIZE:
+                return None  # not whole blocks from 0 (they are contiguous from 0)
+        node = self._node_of.get(own.layers[self._global[0]][whole - 1].id)
         if (
             node is None
             or node.depth != whole - 1
@@ -225,10 +226,6 @@ class PrefixIndex:
             or node.parent.children.get(node.tokens) is not node  # pruned
         ):
             return None
-        for layer in self._global:
-            blocks = own.layers[layer]
-            if len(blocks) < whole or blocks[whole - 1].end != whole * BLOCK_SIZE:
-                return None
         path = [node]
         while path[-1].parent is not None and path[-1].depth > 0:
             path.append(path[-1].parent)
