@@ -9,6 +9,7 @@ import numpy as np
 
 from mlx_actors.scheduler.kv._pool import AgentBlocks
 from mlx_actors.scheduler.residency import CacheImage, CacheManager
+from mlx_actors.scheduler.residency._image import PendingCopy, copy_to_host
 
 from ..conftest import Loaded
 from .test_prefetch import cache_of, setup, turn
@@ -120,3 +121,29 @@ def test_a_cache_read_back_from_disk_keeps_no_copies_and_closing_lets_all_go(
     assert caches.host.held("b") and caches.host.nbytes > 0
     caches.free_all()
     assert caches.host.held("b") == {} and caches.host.nbytes == 0
+
+
+def test_snapshots_taken_together_are_copied_later_as_their_blocks_were(tiny: Loaded) -> None:
+    caches, _, _ = setup(tiny, blocks=400)
+    later: list[PendingCopy] = []
+    images, expected = [], []
+    for i, name in enumerate(("a", "b", "c")):
+        blocks = cache_of(tiny, caches.pool, i, 300 + 100 * i)
+        caches.started(name)
+        images.append(
+            caches.commit(name, blocks, hold=False, saving=True, snapshot=True, later=later)
+        )
+        expected.append(device_bits(blocks))
+    assert len(later) == 3 and not any(image is not None and image.arrays for image in images)
+    # the agents move on before the copy: their blocks go back to the pool and are
+    # taken again by other caches
+    for name in ("a", "b", "c"):
+        caches.forget(name)
+    assert caches.pool.used_blocks == 0
+    others = [cache_of(tiny, caches.pool, 7 + i, 500) for i in range(3)]
+    copy_to_host(later)
+    for image, bits in zip(images, expected, strict=True):
+        assert image is not None and image.whole()
+        assert same(image_bits(image), bits)
+    for blocks in others:
+        caches.pool.free(blocks.blocks())

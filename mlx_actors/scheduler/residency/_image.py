@@ -74,6 +74,11 @@ class CacheImage:
 HostArrays = Mapping[int, tuple[np.ndarray, np.ndarray]]
 
 
+#: An image's copies to host memory not done yet: the dict its arrays go in, and the
+#: device arrays to copy there (by block key; keys then values).
+PendingCopy = tuple[dict[int, tuple[np.ndarray, np.ndarray]], dict[int, tuple[mx.array, mx.array]]]
+
+
 def take_image(
     blocks: AgentBlocks,
     stored: Mapping[int, str],
@@ -82,10 +87,14 @@ def take_image(
     *,
     whole: bool = False,
     held: HostArrays | None = None,
+    later: list[PendingCopy] | None = None,
 ) -> CacheImage:
     """Copy to host memory the blocks whose id is not in ``stored`` (id -> ref), or,
     ``whole``, every block (the stored ones keep their refs); a block whose bits host
-    memory already ``held`` is taken from there, not copied."""
+    memory already ``held`` is taken from there, not copied. With ``later``, the copies
+    are added to it instead, and the image lacks those arrays until
+    :func:`copy_to_host` has done them (blocks' arrays never change: the copy reads
+    what the blocks held now even if the pool frees them meanwhile)."""
     held = held or {}
     layers = []
     arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -103,9 +112,10 @@ def take_image(
             entries.append(BlockEntry(layer=b.layer, start=b.start, end=b.end, key=b.id, ref=ref))
         layers.append(tuple(entries))
     if pending:
-        mx.eval(list(pending.values()))
-        copies = iter(to_host([a for pair in pending.values() for a in pair]))
-        arrays.update((key, (next(copies), next(copies))) for key in pending)
+        if later is not None:
+            later.append((arrays, pending))
+        else:
+            copy_to_host([(arrays, pending)])
     return CacheImage(
         tokens=blocks.tokens,
         layers=tuple(layers),
@@ -114,6 +124,16 @@ def take_image(
         serial=serial,
         anchors=blocks.anchors,
     )
+
+
+def copy_to_host(copies: list[PendingCopy]) -> None:
+    """Do the copies of several images at once: one evaluation and one wait for the
+    device for all of them, not one per image."""
+    every = [pair for _, pending in copies for pair in pending.values()]
+    mx.eval(every)
+    out = iter(to_host([a for pair in every for a in pair]))
+    for arrays, pending in copies:
+        arrays.update((key, (next(out), next(out))) for key in pending)
 
 
 def make_blocks(

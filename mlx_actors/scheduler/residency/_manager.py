@@ -26,7 +26,7 @@ from ..kv._pool import AgentBlocks, BlockPool, Reservation
 from ..kv._prefix import PrefixIndex
 from ._entry import CacheEntry
 from ._host import HostCaches
-from ._image import CacheImage, make_blocks, stored_ids, take_image
+from ._image import CacheImage, PendingCopy, make_blocks, stored_ids, take_image
 from ._next_use import NextUse
 from ._order import EvictionOrder, expected
 
@@ -109,10 +109,18 @@ class CacheManager:
         self.next_use.started(agent)
 
     def commit(
-        self, agent: str, blocks: AgentBlocks, *, hold: bool, saving: bool, snapshot: bool
+        self,
+        agent: str,
+        blocks: AgentBlocks,
+        *,
+        hold: bool,
+        saving: bool,
+        snapshot: bool,
+        later: list[PendingCopy] | None = None,
     ) -> CacheImage | None:
         """``blocks`` become the agent's cache (see :class:`~..service._protocol.Commit`);
-        with ``snapshot``, returns what the store lacks of it, to be saved."""
+        with ``snapshot``, returns what the store lacks of it, to be saved (its copies
+        to host memory added to ``later``, if given: see :func:`take_image`)."""
         entry = self.entry(agent)
         if hold and not entry.holding:
             entry.holding, entry.kept = True, entry.blocks  # the turn's start, for undo
@@ -130,7 +138,7 @@ class CacheManager:
             entry.stored = {
                 b.id: entry.stored[b.id] for b in entry.blocks.blocks() if b.id in entry.stored
             }
-        return self._take_image(agent, entry) if snapshot else None
+        return self._take_image(agent, entry, later=later) if snapshot else None
 
     def undo(self, agent: str) -> None:
         """After commits with ``hold``: the cache the turn started from is the agent's
@@ -189,13 +197,13 @@ class CacheManager:
 
     # -- the store -----------------------------------------------------------------------------
 
-    def snapshot(self, agent: str) -> CacheImage | None:
-        """The agent's cache, its blocks the store lacks copied to host memory, to be
-        saved (``None``: it has no blocks in the pool)."""
+    def snapshot(self, agent: str, later: list[PendingCopy] | None = None) -> CacheImage | None:
+        """The agent's cache, its blocks the store lacks copied to host memory (or
+        added to ``later``), to be saved (``None``: it has no blocks in the pool)."""
         entry = self.agents.get(agent)
         if entry is None or entry.blocks is None:
             return None
-        return self._take_image(agent, entry)
+        return self._take_image(agent, entry, later=later)
 
     def stored(self, agent: str, refs: Mapping[int, str], serial: int) -> None:
         """A snapshot is written: where each of its blocks now is."""
@@ -206,14 +214,27 @@ class CacheManager:
             held = {b.id for b in entry.blocks.blocks()} if entry.blocks is not None else ()
             entry.stored.update((k, ref) for k, ref in refs.items() if k in held)
 
-    def _take_image(self, agent: str, entry: CacheEntry, *, whole: bool = False) -> CacheImage:
+    def _take_image(
+        self,
+        agent: str,
+        entry: CacheEntry,
+        *,
+        whole: bool = False,
+        later: list[PendingCopy] | None = None,
+    ) -> CacheImage:
         """The agent's cache as an image (its blocks host memory holds are not copied)."""
         assert entry.blocks is not None
         self._serial += 1
         entry.snapshot = self._serial
         held = self.host.held(agent)
         return take_image(
-            entry.blocks, entry.stored, self._dtype, self._serial, whole=whole, held=held
+            entry.blocks,
+            entry.stored,
+            self._dtype,
+            self._serial,
+            whole=whole,
+            held=held,
+            later=later,
         )
 
     # -- room in the pool ----------------------------------------------------------------------

@@ -4,6 +4,7 @@ caches themselves are the :class:`~..residency._manager.CacheManager`'s)."""
 
 from __future__ import annotations
 
+import functools
 import queue
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from ...errors import (
     RuntimeClosedError,
 )
 from ..engine._engine import BlockPoolBatchEngine
+from ..residency._image import CacheImage, PendingCopy, copy_to_host
 from ..residency._manager import CacheManager
 from . import _events as events
 from ._admission import Admission
@@ -83,6 +85,11 @@ class EngineLoop:
         self.admission = Admission(engine, caches, outbox, self.turns, log=log)
         #: The command being applied (it is not in the queue any more).
         self.applying: object | None = None
+        #: Snapshots taken by the commands applied since the last step, each with the
+        #: event that hands it over; their copies to host memory, done together
+        #: (:meth:`_copy_snapshots`) before the next step.
+        self._snapshots: list[tuple[Callable[[CacheImage | None], events.Event], CacheImage]] = []
+        self._copies: list[PendingCopy] = []
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -119,6 +126,8 @@ class EngineLoop:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = None
+            if self._snapshots:
+                self._copy_snapshots()
             if engine.active:
                 self._step()
             admission = self.admission
@@ -151,16 +160,19 @@ class EngineLoop:
                 hold=command.hold,
                 saving=command.saving,
                 snapshot=bool(command.snapshot),
+                later=self._copies,
             )
             if command.snapshot:
-                self.outbox.append(events.Snapshot(command.agent, command.snapshot, image))
+                number = command.snapshot
+                self._hand_over(functools.partial(events.Snapshot, command.agent, number), image)
         elif isinstance(command, Release):
             self.caches.release(command.agent, command.blocks)
         elif isinstance(command, Undo):
             self.caches.undo(command.agent)
         elif isinstance(command, Save):
             self._stored(command.stored)
-            self.outbox.append(events.SaveReady(command, self.caches.snapshot(command.agent)))
+            image = self.caches.snapshot(command.agent, later=self._copies)
+            self._hand_over(functools.partial(events.SaveReady, command), image)
         elif isinstance(command, WriteFailed):
             self.caches.write_failed(command.agent, command.serial)
         elif isinstance(command, Forget):
@@ -175,6 +187,24 @@ class EngineLoop:
             self._fork(command)
         elif isinstance(command, Query):
             self.outbox.append(events.Statistics(command.reply, self.snapshot()))
+
+    def _hand_over(
+        self, event: Callable[[CacheImage | None], events.Event], image: CacheImage | None
+    ) -> None:
+        """Send ``event(image)`` once the image's copies to host memory are done."""
+        if image is None:
+            self.outbox.append(event(None))
+        else:
+            self._snapshots.append((event, image))
+
+    def _copy_snapshots(self) -> None:
+        """The copies of the snapshots taken since the last step, with one wait for the
+        device for all of them (a wait stops the batch's steps running ahead), then
+        their events."""
+        copy_to_host(self._copies)
+        self._copies.clear()
+        self.outbox.extend(event(image) for event, image in self._snapshots)
+        self._snapshots.clear()
 
     def _stored(self, stored: Stored | None) -> None:
         if stored is not None:
@@ -295,6 +325,15 @@ class EngineLoop:
             self.outbox.append(events.Failed(turn, closed))
         self.turns.clear()
         self.admission.waiting.clear()
+        if self._snapshots and failure is None:  # taken just before the shutdown
+            try:
+                self._copy_snapshots()
+            except Exception as exc:
+                self._log.error("blocks.copy_failed", error=repr(exc))
+        # Snapshots not copied (the loop failed): nothing of them to save.
+        self.outbox.extend(event(None) for event, _ in self._snapshots)
+        self._snapshots.clear()
+        self._copies.clear()
         self.engine.close()
         # Each cache once: a commit left over may bring blocks an agent already holds
         # (the one that ends a hold while a turn is saved), or come twice.
