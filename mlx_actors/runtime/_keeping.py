@@ -195,8 +195,10 @@ class AgentKeeper:
     async def _keep(self, agent: Agent) -> None:
         """Save the agent's record, then its cache; one save of an agent at a time. The
         record is what keeps the turn (:class:`StateWriteError` if it cannot be
-        written); a cache that cannot be written is only logged: the one on disk stays
-        valid for the conversation's beginning, and a later turn prefills the rest."""
+        written), and the only write waited for: the cache a turn's commit copied is
+        written in the background (the next save of the agent waits for it). A cache
+        that cannot be written is only logged: the one on disk stays valid for the
+        conversation's beginning, and a later turn prefills the rest."""
         assert self._state is not None
         async with self._keeping.setdefault(agent.name, anyio.Lock()):
             if self._kept.get(agent.name) is not agent:  # closed: its files are gone
@@ -214,7 +216,7 @@ class AgentKeeper:
             )
             await self._state.save(record)
             try:
-                await self._scheduler.save(agent.name)
+                await self._scheduler.save(agent.name, wait=False)
             except MlxActorsError as exc:
                 self._log.error("blocks.save_failed", agent=agent.name, error=str(exc))
 

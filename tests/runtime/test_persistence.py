@@ -28,6 +28,7 @@ from mlx_actors.errors import (
     StateInUseError,
 )
 from mlx_actors.runtime import _disk, _store
+from mlx_actors.runtime._state import StateDir
 from mlx_actors.scheduler import BlockEntry, CacheImage, Scheduler
 from mlx_actors.scheduler.residency import CacheManager
 from mlx_actors.scheduler.service._deliveries import Deliveries
@@ -310,6 +311,7 @@ async def test_a_corrupt_chunk_that_agents_share_costs_each_one_turn_and_is_gone
     assert failed == ["bob"] and not chunk.exists() and shared in chunks("ann")
     async with runtime() as rt:  # a new agent with the same brief, then ann
         await (await rt.spawn("cat", system=brief, max_tokens=12)).ask("Hi from cat?")
+        await rt.flush()  # the cache is written after the reply
         assert shared not in chunks("cat")  # its blocks were written, not found there
         for turn in range(2):
             await ask(rt, "ann", f"Turn {turn}?")
@@ -451,6 +453,51 @@ def writes_fail_once_open(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return gate
 
 
+async def test_a_turn_s_reply_waits_for_its_record_and_its_cache_is_written_behind(
+    tiny: Loaded, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = threading.Event()
+    happened: list[str] = []
+    save = _store.DiskCacheStore._save
+
+    def gated_save(self: Any, agent: str, image: Any) -> Any:
+        assert gate.wait(30)
+        happened.append("cache written")
+        return save(self, agent, image)
+
+    monkeypatch.setattr(_store.DiskCacheStore, "_save", gated_save)
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = await rt.spawn("ann", max_tokens=4)
+        with anyio.fail_after(30):
+            first = await ann.ask("Hi")  # back while its cache's write waits
+        happened.append("first reply")
+        saved = StateDir(state, persist="turn").record("ann")
+        assert saved.turns == 1 and saved.messages[-1]["content"] == first.text
+        assert not (state / "caches" / "ann" / "index.json").exists()
+
+        async def second() -> None:
+            await ann.ask("Again?")
+            happened.append("second reply")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(second)
+            await wait_all_tasks_blocked()
+            while (await rt.stats()).turns_in_flight:  # the engine is done with it
+                await wait_all_tasks_blocked()
+            gate.set()
+        # the next turn's save waits for the agent's previous cache write
+        assert happened.index("cache written") < happened.index("second reply")
+        assert happened[0] == "first reply"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = rt.agent("ann")
+        third = await ann.ask("And now?")
+        assert third.usage.cached_tokens == third.usage.reusable_tokens > 0
+        prompt = render(tiny.tokenizer, ann.history[:-1])
+        stop = tiny.tokenizer.eos_token_ids
+        assert list(third.tokens) == reference(tiny.model, prompt, 4, stop=stop)
+
+
 async def test_a_failed_eviction_write_lets_the_agent_start_over(
     tiny: Loaded, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -539,9 +586,9 @@ async def test_a_save_that_asks_before_its_snapshot_comes_back_still_gets_it(
             asked.clear()
         commit(self, *args, **kwargs)
 
-    async def save_asking(self: Scheduler, agent: str) -> None:
+    async def save_asking(self: Scheduler, agent: str, **kwargs: Any) -> None:
         asked.set()
-        await save(self, agent)
+        await save(self, agent, **kwargs)
 
     def take_once_asked(self: CacheManager, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("snapshot"):

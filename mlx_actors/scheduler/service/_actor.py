@@ -288,10 +288,20 @@ class Scheduler:
         self._disk.adopted(agent)
         self._put(Adopt(agent, tokens))
 
-    async def save(self, agent: str) -> None:
+    async def save(self, agent: str, *, wait: bool = True) -> None:
         """Write the agent's cache to the store (only blocks not written before); raise
-        what stopped the write."""
+        what stopped the write. Without ``wait``, a snapshot taken with the commit is
+        written in the background (:meth:`DiskWork.write_behind`: the caller waits only
+        for the agent's previous such write, and a failure is logged)."""
         taken = self._deliveries.take_snapshot(agent)
+        if taken is not None and not wait:
+
+            async def image() -> CacheImage | None:
+                await taken.ready.wait()
+                return taken.image
+
+            await self._disk.write_behind(agent, image)
+            return
         if taken is not None:  # taken with the commit: write it after earlier disk work
             await taken.ready.wait()
             if taken.image is not None:

@@ -44,6 +44,8 @@ class DiskWork:
         self._prefetching: dict[str, anyio.Event] = {}
         #: (agent, the eviction's snapshot it was read for, image)
         self._prefetched: tuple[str, int, CacheImage] | None = None
+        #: Each agent's write under way that its save did not wait for (:meth:`write_behind`).
+        self._behind: dict[str, anyio.Event] = {}
 
     def start(self, group: TaskGroup) -> None:
         self._group = group
@@ -139,6 +141,33 @@ class DiskWork:
         await self.run(agent, write).wait()
         if failure:
             raise failure[0]
+
+    async def write_behind(
+        self, agent: str, image: Callable[[], Awaitable[CacheImage | None]]
+    ) -> None:
+        """Write a save's snapshot (``image()``, once the engine thread has it) in the
+        background, after the agent's earlier disk work; a failure is only logged
+        (``blocks.save_failed``: the older cache on disk stays). Waits only while the
+        agent's previous write of this kind is under way: one at a time per agent, so
+        the snapshots waiting to be written stay few."""
+        previous = self._behind.get(agent)
+        if previous is not None:
+            await previous.wait()
+        done: list[anyio.Event] = []
+
+        async def write() -> None:
+            try:
+                taken = await image()
+                if taken is not None:
+                    await self._write(agent, taken, saved=True)
+            except Exception as exc:
+                self._log.error("blocks.save_failed", agent=agent, error=str(exc))
+            finally:
+                if self._behind.get(agent) is done[0]:
+                    del self._behind[agent]
+
+        done.append(self.run(agent, write))
+        self._behind[agent] = done[0]
 
     # -- what the event loop asks --------------------------------------------------------------
 
