@@ -260,8 +260,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json(path: Path, value: Any) -> None:
-    write_atomic(path, json.dumps(value, indent=1, sort_keys=True).encode())
+def write_json(path: Path, value: Any, *, readable: bool = True) -> None:
+    """Write ``value`` as JSON, atomically: indented for a person to read, or (not
+    ``readable``: files only the runtime reads) compact, which Python's JSON encoder
+    writes several times faster (in C)."""
+    if readable:
+        data = json.dumps(value, indent=1, sort_keys=True)
+    else:
+        data = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    write_atomic(path, data.encode())
 
 
 def json_digest(value: Mapping[str, Any]) -> str:

@@ -3,6 +3,7 @@ agent listing its blocks; a block is stored once, however many agents hold it.""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import re
@@ -35,30 +36,52 @@ from ._disk import (
     writing,
 )
 
-#: The format of cache indexes (1 kept the chunks in each agent's directory).
-CACHE_FORMAT = 2
+#: The format of cache indexes (1 kept the chunks in each agent's directory; 2 listed
+#: the tokens as numbers, which 3 packs: still read).
+CACHE_FORMAT = 3
+_READ_FORMATS = (2, CACHE_FORMAT)
 #: The directory of the chunks (not an agent name: those start with a letter).
 BLOCKS = "_blocks"
 _CHUNK = re.compile(r"chunk-(\d+)\.safetensors")
 
 
-def content_keys(tokens: Sequence[int], blocks: Iterable[tuple[int, int, int]]) -> list[str]:
+#: An agent's last save's tokens and the content key of each of its blocks, by
+#: ``(layer, start, end)``: a save reuses the keys of the blocks whose tokens it shares.
+KnownKeys = tuple[np.ndarray, dict[tuple[int, int, int], str]]
+
+
+def content_keys(
+    tokens: Sequence[int], blocks: Iterable[tuple[int, int, int]], known: KnownKeys | None = None
+) -> tuple[list[str], KnownKeys]:
     """A key per block ``(layer, start, end)``: what it holds is fixed by the model, the
     tokens up to its end, its layer and its first position, so two agents' blocks with
     the same key hold the same keys and values. The tokens are hashed in a chain over
-    256-token chunks, as the engine's prefix index walks them."""
+    256-token chunks, as the engine's prefix index walks them. A block of ``known``
+    (what the call that made it returned) whose tokens up to its end are these too
+    keeps its key, not hashed again: a turn's save hashes the blocks it changed. Also
+    returns what to pass as ``known`` next time."""
     data = np.asarray(tokens, dtype="<u4")
+    spans = list(blocks)
+    same, reuse = 0, dict[tuple[int, int, int], str]()
+    if known is not None:
+        old, reuse = known
+        n = min(len(old), len(data))
+        differ = np.flatnonzero(old[:n] != data[:n])
+        same = int(differ[0]) if differ.size else n
     chain = [hashlib.sha256(b"mlx-actors blocks").digest()]
     keys = []
-    for layer, start, end in blocks:
-        depth = (end - 1) // BLOCK_SIZE
-        while len(chain) <= depth:
-            k = len(chain) - 1
-            piece = data[k * BLOCK_SIZE : (k + 1) * BLOCK_SIZE].tobytes()
-            chain.append(hashlib.sha256(chain[k] + piece).digest())
-        digest = hashlib.sha256(chain[depth] + data[depth * BLOCK_SIZE : end].tobytes())
-        keys.append(f"{digest.hexdigest()}:{layer}:{start}")
-    return keys
+    for layer, start, end in spans:
+        key = reuse.get((layer, start, end)) if end <= same else None
+        if key is None:
+            depth = (end - 1) // BLOCK_SIZE
+            while len(chain) <= depth:
+                k = len(chain) - 1
+                piece = data[k * BLOCK_SIZE : (k + 1) * BLOCK_SIZE].tobytes()
+                chain.append(hashlib.sha256(chain[k] + piece).digest())
+            digest = hashlib.sha256(chain[depth] + data[depth * BLOCK_SIZE : end].tobytes())
+            key = f"{digest.hexdigest()}:{layer}:{start}"
+        keys.append(key)
+    return keys, (data, dict(zip(spans, keys, strict=True)))
 
 
 class DiskCacheStore:
@@ -93,6 +116,7 @@ class DiskCacheStore:
         self._bad: set[str] = set()  # chunks found corrupt: never referred to again
         self._writing: dict[str, threading.Event] = {}  # chunks being written
         self._next = 1
+        self._known: dict[str, KnownKeys] = {}  # agent -> its last save's content keys
 
     # -- the async face ------------------------------------------------------------------
 
@@ -112,8 +136,8 @@ class DiskCacheStore:
         if index is None:
             return (), 0
         try:
-            return tuple(index["tokens"]), sum(len(row) for row in index["layers"])
-        except (KeyError, TypeError) as exc:
+            return _tokens(index), sum(len(row) for row in index["layers"])
+        except (KeyError, TypeError, ValueError) as exc:
             where = self.where(agent)
             raise CorruptStateError(f"{where} does not describe its chunks: {exc!r}") from exc
 
@@ -152,7 +176,7 @@ class DiskCacheStore:
             raise CorruptStateError(f"{path} cannot be read: {exc}") from exc
         if isinstance(index, dict) and index.get("format") == 1:
             return None
-        if not isinstance(index, dict) or index.get("format") != CACHE_FORMAT:
+        if not isinstance(index, dict) or index.get("format") not in _READ_FORMATS:
             raise CorruptStateError(f"{path} is not a cache index of format {CACHE_FORMAT}")
         index = checked(path, index)
         if index.get("agent") != agent:
@@ -222,7 +246,8 @@ class DiskCacheStore:
 
     def _save(self, agent: str, image: CacheImage) -> dict[int, str]:
         entries = [e for row in image.layers for e in row]
-        keys = content_keys(image.tokens, ((e.layer, e.start, e.end) for e in entries))
+        spans = ((e.layer, e.start, e.end) for e in entries)
+        keys, known = content_keys(image.tokens, spans, self._known.get(agent))
         refs: dict[int, str] = {}
         missing: dict[int, str] = {}  # block -> content key, for blocks no chunk holds
         with self._lock:
@@ -269,13 +294,13 @@ class DiskCacheStore:
                 "format": CACHE_FORMAT,
                 "agent": agent,
                 "dtype": image.dtype,
-                "tokens": list(image.tokens),
+                "tokens": _packed(image.tokens),
                 "anchors": list(image.anchors),
                 "layers": _rows(image.layers, refs, keys),
                 "chunks": {name: sums[name] for name in sorted(listed)},
             }
             real_dir(self.root / agent, self.root)
-            write_json(self.where(agent), with_digest(index))
+            write_json(self.where(agent), with_digest(index), readable=False)
         except BaseException:
             with self._lock:
                 self._release(agent, listed - old)
@@ -283,6 +308,7 @@ class DiskCacheStore:
         with self._lock:
             self._uses[agent] = listed
             self._release(agent, old - listed)
+            self._known[agent] = known
         return refs
 
     def _write_chunk(self, chunk: str, image: CacheImage, blocks: Mapping[int, str]) -> None:
@@ -316,6 +342,7 @@ class DiskCacheStore:
             if still_real(self.root, self.root):
                 _remove(self.root / agent)
             self._release(agent, self._uses.pop(agent, set()))
+            self._known.pop(agent, None)
 
     def _copy(self, agent: str, other: str) -> None:
         """``other``'s cache becomes ``agent``'s: the same chunks, its own index."""
@@ -327,7 +354,7 @@ class DiskCacheStore:
             self._release(other, self._uses.pop(other, set()))
             index["agent"] = other
             real_dir(self.root / other, self.root)
-            write_json(self.where(other), with_digest(index))
+            write_json(self.where(other), with_digest(index), readable=False)
             self._use(other, index)
 
     def _read_chunk(self, name: str, sha: object) -> dict[str, np.ndarray]:
@@ -382,7 +409,7 @@ class DiskCacheStore:
                         BlockEntry(layer=number, start=int(start), end=int(end), key=key, ref=ref)
                     )
                 layers.append(tuple(entries))
-            tokens = tuple(int(t) for t in index["tokens"])
+            tokens = _tokens(index)
             anchors = tuple(int(a) for a in index.get("anchors", ()))
             dtype = str(index["dtype"])
         except OSError as exc:
@@ -392,6 +419,26 @@ class DiskCacheStore:
         return CacheImage(
             tokens=tokens, layers=tuple(layers), dtype=dtype, arrays=arrays, anchors=anchors
         )
+
+
+def _packed(tokens: Sequence[int]) -> str:
+    """Tokens as an index lists them: base64 of little-endian 32-bit numbers (a long
+    history's numbers one by one cost its save tens of milliseconds of JSON)."""
+    return base64.b64encode(np.asarray(tokens, dtype="<u4").tobytes()).decode("ascii")
+
+
+def _tokens(index: Mapping[str, Any]) -> tuple[int, ...]:
+    """The tokens an index lists (packed, or as numbers in format 2); ``ValueError`` or
+    ``TypeError`` if they are neither."""
+    listed = index["tokens"]
+    if index["format"] == 2:
+        return tuple(int(t) for t in listed)
+    if not isinstance(listed, str):
+        raise TypeError(f"tokens are {type(listed).__name__}, not packed")
+    data = base64.b64decode(listed.encode("ascii"), validate=True)
+    if len(data) % 4:
+        raise ValueError(f"{len(data)} bytes of packed tokens")
+    return tuple(np.frombuffer(data, dtype="<u4").tolist())
 
 
 def _host_buffer(size: int) -> np.ndarray:

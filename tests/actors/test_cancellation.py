@@ -339,7 +339,7 @@ async def test_a_later_turn_undone_in_the_state_directory_leaves_the_cache_befor
             await ann.ask("And then? " * 30, timeout=2)
         assert len(ann.history) == 2
         index = json.loads((state / "caches" / "ann" / "index.json").read_text())
-        assert len(index["tokens"]) == ann.statistics().cached_tokens  # not the undone turn's
+        assert len(_store._tokens(index)) == ann.statistics().cached_tokens  # not the undone turn's
         bob = await rt.spawn("bob", max_tokens=8)
         await bob.ask("Make room " * 60)  # ann's cache goes to disk
         assert ann.statistics().on_disk

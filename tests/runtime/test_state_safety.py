@@ -5,17 +5,19 @@ caller was given."""
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import random
 from pathlib import Path
 
 import anyio
+import numpy as np
 import pytest
 
 from mlx_actors import Runtime
 from mlx_actors.errors import CorruptStateError, StateWriteError
-from mlx_actors.runtime import _disk
+from mlx_actors.runtime import _disk, _store
 
 from ..conftest import Loaded, ReferenceChat, render
 from .test_persistence import converse, question, snapshot
@@ -273,3 +275,32 @@ async def test_records_of_the_older_format_still_open(tiny_dir: Path, tmp_path: 
         options = rt.agent("ann").options
         assert options.seed == 2**64 - 1 and len(options.stop) == 64
         await rt.agent("ann").ask(question("ann", 1))
+
+
+async def test_cache_indexes_of_the_older_format_still_open_and_bad_tokens_cost_the_cache(
+    tiny: Loaded, tiny_dir: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        first = await converse(rt, ["ann", "bob"], range(2))
+    ann, bob = (state / "caches" / name / "index.json" for name in ("ann", "bob"))
+    index = _disk.checked(ann, json.loads(ann.read_text()))
+    packed = index["tokens"]
+    assert index["format"] == _store.CACHE_FORMAT and isinstance(packed, str)
+    tokens = [int(t) for t in np.frombuffer(base64.b64decode(packed), dtype="<u4")]
+    # ann's as the older version wrote it (the tokens as numbers); bob's tokens garbled
+    ann.write_text(json.dumps(_disk.with_digest({**index, "format": 2, "tokens": tokens})))
+    other = _disk.checked(bob, json.loads(bob.read_text()))
+    bob.write_text(json.dumps(_disk.with_digest({**other, "tokens": other["tokens"][:-3]})))
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        assert rt.agent("ann").cached_tokens == len(tokens)
+        assert rt.agent("bob").cached_tokens == 0  # its cache is lost, not its conversation
+        replies = await converse(rt, ["ann", "bob"], range(2, 3))
+        assert replies["ann", 2].usage.cached_tokens == replies["ann", 2].usage.reusable_tokens > 0
+        assert replies["bob", 2].usage.reusable_tokens == 0  # (ann's blocks may serve it)
+        for name in ("ann", "bob"):
+            chat = ReferenceChat(tiny.model, tiny.tokenizer.eos_token_ids)
+            history = rt.agent(name).history
+            assert history[2].content == first[name, 0].text
+            prompt = render(tiny.tokenizer, history[:-1])
+            assert list(replies[name, 2].tokens) == chat.turn(prompt, 12)
