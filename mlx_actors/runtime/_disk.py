@@ -261,9 +261,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_json(path: Path, value: Any, *, readable: bool = True) -> None:
-    """Write ``value`` as JSON, atomically: indented for a person to read, or (not
-    ``readable``: files only the runtime reads) compact, which Python's JSON encoder
-    writes several times faster (in C)."""
+    """Write ``value`` as JSON, atomically: indented for a person to read (small files
+    written once), or compact, which Python's JSON encoder writes several times faster
+    (in C): what is written on every turn."""
     if readable:
         data = json.dumps(value, indent=1, sort_keys=True)
     else:

@@ -390,9 +390,9 @@ def _signed(change: Any) -> Any:
         (lambda text: text.replace('"ann"', '"bob"'), "checksum"),
         (_signed(lambda text: text.replace('"ann"', '"../evil"')), "agent names must be"),
         (_signed(lambda text: text.replace('"ann"', '"bob"')), "names the agent 'bob'"),
-        (_signed(lambda text: text.replace('"turns": 1', '"turns": "one"')), "turns is"),
+        (_signed(lambda text: text.replace('"turns":1', '"turns":"one"')), "turns is"),
         (_signed(lambda text: text.replace('"top_p"', '"top_q"')), "its options are"),
-        (_signed(lambda text: text.replace('"max_tokens": 12', '"max_tokens": -1')), "max_tokens"),
+        (_signed(lambda text: text.replace('"max_tokens":12', '"max_tokens":-1')), "max_tokens"),
         (_signed(lambda text: text.replace('"user"', '"system"')), "role"),
     ],
 )
