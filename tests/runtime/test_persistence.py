@@ -498,6 +498,40 @@ async def test_a_turn_s_reply_waits_for_its_record_and_its_cache_is_written_behi
         assert list(third.tokens) == reference(tiny.model, prompt, 4, stop=stop)
 
 
+async def test_an_agent_closed_while_its_cache_is_written_behind_leaves_nothing(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = threading.Event()
+    save = _store.DiskCacheStore._save
+
+    def gated_save(self: Any, agent: str, image: Any) -> Any:
+        assert gate.wait(30)
+        return save(self, agent, image)
+
+    monkeypatch.setattr(_store.DiskCacheStore, "_save", gated_save)
+    state = tmp_path / "state"
+    async with Runtime(tiny_dir, pool_blocks=100, log_level="off", state_dir=state) as rt:
+        ann = await rt.spawn("ann", max_tokens=4)
+        await ann.ask("Hi")  # its cache's write waits
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ann.close)  # waits for the write, then deletes what it wrote
+            await wait_all_tasks_blocked()
+            gate.set()
+        await rt.flush()  # (the disk work asked for so far is done)
+        assert not (state / "agents" / "ann.json").exists()
+        assert not (state / "caches" / "ann").exists()
+        again = await rt.spawn("ann", max_tokens=4)  # a new agent of that name
+        reply = await again.ask("Hello?")
+        assert reply.usage.reusable_tokens == 0 and len(again.history) == 2
+        await rt.flush()
+        saved = StateDir(state, persist="turn").record("ann")
+        assert saved.turns == 1 and saved.messages[-1]["content"] == reply.text
+    assert sorted(p.name for p in (state / "caches").iterdir()) == ["_blocks", "ann"]
+    chunks = list((state / "caches" / "_blocks").iterdir())
+    index = json.loads((state / "caches" / "ann" / "index.json").read_text())
+    assert {c.name for c in chunks} == set(index["chunks"])  # the old cache's chunk is gone
+
+
 async def test_a_failed_eviction_write_lets_the_agent_start_over(
     tiny: Loaded, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
