@@ -128,6 +128,8 @@ async def answer_evicted(
         await reader.ask(QUESTION, max_tokens=new_tokens)
         await twin.ask(QUESTION, max_tokens=new_tokens)
         assert reader.statistics().on_disk, "the pool kept both agents"
+        if not host_bytes:  # the eviction is written: the turn reads the files (a turn
+            await rt.flush()  # that comes while it is written takes the image)
         slabs = _slab_bytes()
         started = time.perf_counter()
         reply = await reader.ask(QUESTION, max_tokens=new_tokens)

@@ -678,6 +678,51 @@ async def test_a_cache_in_host_memory_comes_back_while_its_write_hangs_and_outli
     assert events.count("blocks.write_failed") == 3
 
 
+async def test_a_cache_evicted_to_disk_comes_back_from_its_write_while_it_is_written(
+    tiny: Loaded, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No host memory tier: the image an eviction is writing serves the agent's turn
+    # (no wait for the write, no read of the files), and the write goes on.
+    gate = threading.Event()
+    save = _store.DiskCacheStore._save
+    written: list[str] = []
+
+    def gated_save(self: Any, agent: str, image: Any) -> Any:
+        assert gate.wait(30)
+        written.append(agent)
+        return save(self, agent, image)
+
+    monkeypatch.setattr(_store.DiskCacheStore, "_save", gated_save)
+    trace = tmp_path / "run.jsonl"
+    # Seven blocks: two agents' caches (three each), or one and a turn (three more).
+    async with Runtime(tiny_dir, pool_blocks=7, host_bytes=0, log_level="off", trace=trace) as rt:
+        ann, bob, cy = [await rt.spawn(name, max_tokens=4) for name in ("ann", "bob", "cy")]
+        await ann.ask("Hi")
+        await bob.ask("Hello")
+        await cy.ask("Hey")  # ann's cache goes to disk; its write hangs
+        assert ann.statistics().on_disk
+        with anyio.fail_after(20):
+            again = await ann.ask("Again?")  # bob's and cy's go out in turn
+        assert not written  # every write still hangs: the cache came from the image
+        assert again.usage.cached_tokens == again.usage.reusable_tokens > 0
+        prompt = render(tiny.tokenizer, ann.history[:-1])
+        stop = tiny.tokenizer.eos_token_ids
+        assert list(again.tokens) == reference(tiny.model, prompt, 4, stop=stop)
+        gate.set()
+        await rt.flush()
+        hello = await bob.ask("Still there?")  # from its files, written meanwhile
+        assert hello.usage.cached_tokens == hello.usage.reusable_tokens > 0
+        prompt = render(tiny.tokenizer, bob.history[:-1])
+        assert list(hello.tokens) == reference(tiny.model, prompt, 4, stop=stop)
+        stats = await rt.stats()
+        assert stats.memory_restores == 0 and stats.pool.used_blocks == stats.resident_blocks
+    reads = [
+        e for e in map(json.loads, trace.read_text().splitlines()) if e["event"] == "blocks.read"
+    ]
+    assert [(e["agent"], e["source"]) for e in reads][:1] == [("ann", "write")]
+    assert ("bob", "disk") in [(e["agent"], e["source"]) for e in reads]
+
+
 CHILD = textwrap.dedent(
     """
     import os, sys, time, anyio

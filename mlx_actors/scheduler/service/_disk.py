@@ -46,6 +46,9 @@ class DiskWork:
         self._prefetched: tuple[str, int, CacheImage] | None = None
         #: Each agent's write under way that its save did not wait for (:meth:`write_behind`).
         self._behind: dict[str, anyio.Event] = {}
+        #: The image each eviction is writing, until written: a read for it meanwhile
+        #: takes it rather than waiting for the write and reading the files back.
+        self._leaving: dict[str, CacheImage] = {}
 
     def start(self, group: TaskGroup) -> None:
         self._group = group
@@ -96,6 +99,7 @@ class DiskWork:
         """The agent's cache left the pool as ``image``: write it."""
         self._out[agent] = image.serial
         self._drop_prefetched(agent)
+        self._leaving[agent] = image
         self.run(agent, lambda: self._write_evicted(agent, image))
 
     def restored(self, agent: str) -> None:
@@ -218,7 +222,20 @@ class DiskWork:
 
     async def _read(self, agent: str, *, ahead: bool = False) -> CacheImage | None:
         """The agent's cache from the store, once its earlier disk work is done; with
-        ``ahead`` (a prefetch) files that cannot be read are left for the turn's read."""
+        ``ahead`` (a prefetch) files that cannot be read are left for the turn's read.
+        A cache whose eviction is still being written comes from the image being
+        written, if it carries every block (no wait, no file read)."""
+        leaving = self._leaving.get(agent)
+        if leaving is not None and self._out.get(agent) == leaving.serial and leaving.whole():
+            self._log.debug(
+                "blocks.read",
+                agent=agent,
+                bytes=leaving.nbytes,
+                source="write",
+                ms=0.0,
+                **({"prefetch": True} if ahead else {}),
+            )
+            return leaving
         pending = self._tail.get(agent)
         if pending is not None:
             await pending.wait()
@@ -301,3 +318,6 @@ class DiskWork:
             self._put(WriteFailed(agent, image.serial))
             if self._out.get(agent) == image.serial:
                 del self._out[agent]
+        finally:
+            if self._leaving.get(agent) is image:
+                del self._leaving[agent]
