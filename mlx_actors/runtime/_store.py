@@ -294,7 +294,7 @@ class DiskCacheStore:
                 "format": CACHE_FORMAT,
                 "agent": agent,
                 "dtype": image.dtype,
-                "tokens": _packed(image.tokens),
+                "tokens": _packed(known[0]),  # the tokens as content_keys read them
                 "anchors": list(image.anchors),
                 "layers": _rows(image.layers, refs, keys),
                 "chunks": {name: sums[name] for name in sorted(listed)},
@@ -421,7 +421,7 @@ class DiskCacheStore:
         )
 
 
-def _packed(tokens: Sequence[int]) -> str:
+def _packed(tokens: Sequence[int] | np.ndarray) -> str:
     """Tokens as an index lists them: base64 of little-endian 32-bit numbers (a long
     history's numbers one by one cost its save tens of milliseconds of JSON)."""
     return base64.b64encode(np.asarray(tokens, dtype="<u4").tobytes()).decode("ascii")

@@ -157,7 +157,6 @@ class DiskWork:
         previous = self._behind.get(agent)
         if previous is not None:
             await previous.wait()
-        done: list[anyio.Event] = []
 
         async def write() -> None:
             try:
@@ -166,12 +165,8 @@ class DiskWork:
                     await self._write(agent, taken, saved=True)
             except Exception as exc:
                 self._log.error("blocks.save_failed", agent=agent, error=str(exc))
-            finally:
-                if self._behind.get(agent) is done[0]:
-                    del self._behind[agent]
 
-        done.append(self.run(agent, write))
-        self._behind[agent] = done[0]
+        self._behind[agent] = self.run(agent, write)
 
     # -- what the event loop asks --------------------------------------------------------------
 
@@ -227,14 +222,7 @@ class DiskWork:
         written, if it carries every block (no wait, no file read)."""
         leaving = self._leaving.get(agent)
         if leaving is not None and self._out.get(agent) == leaving.serial and leaving.whole():
-            self._log.debug(
-                "blocks.read",
-                agent=agent,
-                bytes=leaving.nbytes,
-                source="write",
-                ms=0.0,
-                **({"prefetch": True} if ahead else {}),
-            )
+            self._log_read(agent, leaving, "write", 0.0, ahead)
             return leaving
         pending = self._tail.get(agent)
         if pending is not None:
@@ -251,15 +239,20 @@ class DiskWork:
             self._log.error("blocks.lost", agent=agent, error=str(exc))
             await self.forget(agent, drop=True)
             raise
+        self._log_read(agent, image, "disk", time.perf_counter() - started, ahead)
+        return image
+
+    def _log_read(
+        self, agent: str, image: CacheImage, source: str, seconds: float, ahead: bool
+    ) -> None:
         self._log.debug(
             "blocks.read",
             agent=agent,
             bytes=image.nbytes,
-            source="disk",
-            ms=round((time.perf_counter() - started) * 1e3, 2),
+            source=source,
+            ms=round(seconds * 1e3, 2),
             **({"prefetch": True} if ahead else {}),
         )
-        return image
 
     async def copy(self, parent: str, child: str) -> None:
         """Make the child's cache a copy of the parent's files (a fork of an evicted
@@ -287,6 +280,7 @@ class DiskWork:
         self._put(Forget(agent))
         self._out.pop(agent, None)
         self._stored.pop(agent, None)
+        self._behind.pop(agent, None)
         self._drop_prefetched(agent)
         if drop:
             await self.run(agent, lambda: self.store.drop(agent)).wait()
